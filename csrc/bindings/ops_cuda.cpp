@@ -1,0 +1,56 @@
+// CUDA kernels of the torchstash operator library (only compiled in CUDA builds).
+//
+// Validates with the same checks as the CPU bindings, then calls the raw-pointer
+// launchers of csrc/cuda/*.cu on the current stream of the tensor's device.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "checks.h"
+#include "torchstash/bitpack.h"
+#include "torchstash/cuda_launch.h"
+
+namespace torchstash {
+namespace {
+
+cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+at::Tensor pack_bits_cuda(const at::Tensor& codes, std::int64_t bits) {
+  const c10::cuda::CUDAGuard guard(codes.device());
+  const at::Tensor c = bindings::prepare_codes(codes, bits);
+  const std::int64_t n = c.numel();
+  at::Tensor out = at::empty({bitpack::packed_size(n, static_cast<int>(bits))}, c.options().dtype(at::kByte));
+  C10_CUDA_CHECK(cuda::launch_pack_bits(static_cast<const std::uint8_t*>(c.const_data_ptr()), n,
+                                        static_cast<int>(bits), out.mutable_data_ptr<std::uint8_t>(),
+                                        current_stream()));
+  return out;
+}
+
+at::Tensor unpack_bits_cuda(const at::Tensor& packed, std::int64_t bits, std::int64_t numel) {
+  const c10::cuda::CUDAGuard guard(packed.device());
+  const at::Tensor p = bindings::prepare_packed(packed, bits, numel);
+  at::Tensor out = at::empty({numel}, p.options());
+  C10_CUDA_CHECK(cuda::launch_unpack_bits(p.const_data_ptr<std::uint8_t>(), numel, static_cast<int>(bits),
+                                          out.mutable_data_ptr<std::uint8_t>(), current_stream()));
+  return out;
+}
+
+void philox_uniform_cuda(const at::Tensor& out, std::int64_t seed, std::int64_t offset) {
+  const c10::cuda::CUDAGuard guard(out.device());
+  bindings::check_philox_out(out);
+  C10_CUDA_CHECK(cuda::launch_philox_uniform(out.mutable_data_ptr<float>(), out.numel(),
+                                             static_cast<std::uint64_t>(seed),
+                                             static_cast<std::uint64_t>(offset), current_stream()));
+}
+
+}  // namespace
+}  // namespace torchstash
+
+TORCH_LIBRARY_IMPL(torchstash, CUDA, m) {
+  m.impl("pack_bits", &torchstash::pack_bits_cuda);
+  m.impl("unpack_bits", &torchstash::unpack_bits_cuda);
+  m.impl("philox_uniform", &torchstash::philox_uniform_cuda);
+}

@@ -1,0 +1,104 @@
+"""Sessions for the torchstash monorepo. `python3 -m nox` runs the default set (what CI runs).
+
+torch comes from TORCHSTASH_TORCH (default torch==2.13.0, the CPU wheel on our machines):
+an unpinned torch would pull the multi-GB CUDA build onto a CPU box.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import nox
+
+nox.needs_version = ">=2024.3.2"
+nox.options.default_venv_backend = "virtualenv"
+nox.options.reuse_existing_virtualenvs = False
+nox.options.error_on_missing_interpreters = True
+nox.options.sessions = ["lint", "typecheck", "tests", "integration", "kernels"]
+
+TORCH = os.environ.get("TORCHSTASH_TORCH", "torch==2.13.0")
+PLUGINS = ["quant", "dropit", "memsave"]
+TEST_DEPS = ["pytest>=8", "numpy"]
+SRC_DIRS = ["packages/core/src", *(f"packages/{p}/src" for p in PLUGINS)]
+
+
+def _install(session: nox.Session, *packages: str, extras: str = "") -> None:
+    """torch first (pinned), then our packages as real, non-editable installs."""
+    session.install(TORCH)
+    paths = [f"./packages/{p}" for p in packages]
+    if extras:
+        paths[0] = f"{paths[0]}[{extras}]"
+    session.install(*paths, *TEST_DEPS)
+
+
+def _pytest(session: nox.Session, *paths: str) -> None:
+    session.run("python", "-m", "pytest", "-q", "-m", "not slow and not cuda", *paths, *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    session.install("mypy>=1.10", "rich")
+    session.run("mypy", *SRC_DIRS)
+
+
+@nox.session
+@nox.parametrize("package", ["core", *PLUGINS], ids=["core", *PLUGINS])
+def tests(session: nox.Session, package: str) -> None:
+    """One package's own tests in an isolated install: the core alone, or the core plus one plug-in."""
+    _install(session, *(["core"] if package == "core" else ["core", package]))
+    _pytest(session, f"packages/{package}/tests")
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Every package installed together: real discovery, registry-wide contract, training."""
+    _install(session, "core", *PLUGINS)
+    _pytest(session, "tests")
+
+
+@nox.session
+def kernels(session: nox.Session) -> None:
+    """CPU build and parity, the speed check against the reference, nvcc -c on every .cu."""
+    _install(session, "core")
+    _pytest(session, "packages/core/tests/test_kernels.py")
+    session.run("python", "-m", "torchstash.kernels.bench", "--mib", "64", "--check", "5")
+    if shutil.which("nvcc"):
+        session.run("python", "-m", "torchstash.kernels.nvcc_check")
+    else:
+        session.log("nvcc not found: CUDA sources not compile-checked")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The README's first command: train a char-level GPT with stock PyTorch and each strategy."""
+    _install(session, "core", *PLUGINS, extras="plot")
+    session.run("torchstash", "demo", *session.posargs)
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """The built-in model zoo x every installed strategy."""
+    _install(session, "core", *PLUGINS)
+    session.run("torchstash", "bench", *session.posargs)
+
+
+@nox.session(default=False)
+def slow(session: nox.Session) -> None:
+    """Long-running tests (marked slow)."""
+    _install(session, "core", *PLUGINS)
+    session.run("python", "-m", "pytest", "-q", "-m", "slow and not cuda", "packages", "tests")
+
+
+@nox.session(venv_backend="none", default=False, tags=["gpu"])
+def gpu(session: nox.Session) -> None:
+    """On a GPU machine with the packages installed: the cuda tests with kernels required."""
+    session.env["TORCHSTASH_KERNELS"] = "require"
+    session.run("python", "-m", "pytest", "-q", "-m", "cuda", "packages", "tests")

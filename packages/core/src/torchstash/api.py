@@ -1,0 +1,273 @@
+"""The user-facing verbs: ``apply``/``remove`` for a model, ``stash`` for any code region."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from . import tags
+from .engine import DEFAULT_MIN_BYTES, Engine, ModuleInfo, Tally
+from .errors import ApplyError
+from .plan import Plan
+from .policy import Policy, Rule, as_policy
+from .registry import REGISTRY
+from .site import Site
+
+PolicyLike = Policy | str | Path | Sequence[Mapping[str, Any] | Rule]
+
+_HANDLES: weakref.WeakKeyDictionary[nn.Module, Handle] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    parent: nn.Module
+    name: str
+    original: nn.Module
+    replacement: nn.Module
+    qualname: str
+
+
+class Handle:
+    """What :func:`apply` did to a model; :meth:`remove` undoes it exactly."""
+
+    def __init__(self, model: nn.Module, plan: Plan, engine: Engine) -> None:
+        self._model = weakref.ref(model)
+        self.plan = plan
+        self.engine = engine
+        self.hooks: list[RemovableHandle] = []
+        self.rewrites: list[Rewrite] = []
+        self.removed = False
+
+    @property
+    def policy(self) -> Policy:
+        return self.plan.policy
+
+    @property
+    def tally(self) -> Tally:
+        """Saved-tensor accounting since the last ``tally.reset()``."""
+        return self.engine.tally
+
+    def remove(self) -> None:
+        """Take the hooks off and put every rewritten module back."""
+        if self.removed:
+            return
+        for h in self.hooks:
+            h.remove()
+        for rw in reversed(self.rewrites):
+            setattr(rw.parent, rw.name, rw.original)
+        self.hooks.clear()
+        self.rewrites.clear()
+        self.removed = True
+        model = self._model()
+        if model is not None and _HANDLES.get(model) is self:
+            del _HANDLES[model]
+
+    def __enter__(self) -> Handle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "removed" if self.removed else f"{len(self.rewrites)} modules rewritten"
+        return f"<torchstash.Handle {self.policy.name!r}, {state}>"
+
+
+def _as_plan(strategy: str | None, policy: PolicyLike | None, options: dict[str, Any]) -> Plan:
+    if strategy is not None and policy is not None:
+        raise ApplyError("give a strategy name or a policy, not both")
+    if policy is not None:
+        if options:
+            raise ApplyError(
+                f"options {sorted(options)} go inside the policy's rules, not beside a policy"
+            )
+        return Plan(as_policy(policy))
+    if strategy is None:
+        raise ApplyError("give a strategy name (see torchstash.strategies()) or a policy")
+    if not isinstance(strategy, str):
+        raise ApplyError(f"strategy must be a name such as 'quant.int8', got {strategy!r}")
+    return Plan(Policy.single(strategy, **options))
+
+
+def apply(
+    model: nn.Module,
+    strategy: str | None = None,
+    *,
+    policy: PolicyLike | None = None,
+    min_bytes: int = DEFAULT_MIN_BYTES,
+    **options: Any,
+) -> Handle:
+    """Make ``model`` save less for backward, in place (no copy; ``state_dict`` keys unchanged).
+
+    ``strategy`` names one strategy for every saved tensor (options go as keywords);
+    ``policy`` gives per-layer rules (a :class:`Policy`, a file path, or a list of rule dicts).
+    Returns a :class:`Handle`; ``handle.remove()`` or :func:`remove` restores the model.
+    """
+    if not isinstance(model, nn.Module):
+        raise ApplyError(f"apply() needs an nn.Module, got {type(model).__name__}")
+    for name, sub in model.named_modules():
+        if sub in _HANDLES:
+            where = f"submodule {name!r}" if name else "this model"
+            raise ApplyError(
+                f"torchstash is already applied to {where}; call torchstash.remove() on it "
+                f"first, or express both settings as one policy"
+            )
+    plan = _as_plan(strategy, policy, options)
+    plan.check_types({n for m in model.modules() for n in tags.type_names(m)})
+
+    def params_and_buffers() -> set[int]:
+        ptrs = {p.data_ptr() for p in model.parameters()}
+        ptrs.update(b.data_ptr() for b in model.buffers())
+        return ptrs
+
+    engine = Engine(plan.compressor, min_bytes=min_bytes, skip_ptrs=params_and_buffers)
+    handle = Handle(model, plan, engine)
+    try:
+        if plan.has_rewriters:
+            _rewrite(model, plan, handle)
+            if not handle.rewrites and not plan.has_compressors:
+                raise ApplyError(
+                    f"{plan.policy.name!r} found no module to rewrite in "
+                    f"{type(model).__name__}; nothing would change"
+                )
+        _install_hooks(model, engine, handle)
+    except BaseException:
+        handle.remove()
+        raise
+    _HANDLES[model] = handle
+    return handle
+
+
+def remove(model: nn.Module) -> None:
+    """Undo :func:`apply` on ``model``."""
+    handle = _HANDLES.get(model)
+    if handle is None:
+        raise ApplyError(f"torchstash is not applied to this {type(model).__name__}")
+    handle.remove()
+
+
+def handle_of(model: nn.Module) -> Handle | None:
+    """The active handle of ``model``, if :func:`apply` was called on it."""
+    return _HANDLES.get(model)
+
+
+def _infos(model: nn.Module) -> Iterator[tuple[str, nn.Module, ModuleInfo]]:
+    counts: dict[str, int] = {}
+    for name, m in model.named_modules():
+        tag = tags.tag_of(m)
+        index = counts.get(tag, 0)
+        counts[tag] = index + 1
+        yield name, m, ModuleInfo(name, tag, type(m).__name__, index, tags.type_names(m))
+
+
+def _site_of(info: ModuleInfo) -> Site:
+    return Site(
+        module=info.qualname, tag=info.tag, module_type=info.type_name, module_index=info.index
+    )
+
+
+def _rewrite(model: nn.Module, plan: Plan, handle: Handle) -> None:
+    replaced: list[str] = []
+    for name, module, info in list(_infos(model)):
+        if not name or any(name.startswith(r + ".") for r in replaced):
+            continue
+        for rewriter in plan.rewriters(_site_of(info), info.type_names):
+            new = rewriter.rewrite(module)
+            if new is None or new is module:
+                continue
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            setattr(parent, attr, new)
+            handle.rewrites.append(Rewrite(parent, attr, module, new, name))
+            replaced.append(name)
+            module = new
+
+
+def _install_hooks(model: nn.Module, engine: Engine, handle: Handle) -> None:
+    for _, module, info in _infos(model):
+
+        def pre(m: nn.Module, args: Any, info: ModuleInfo = info) -> None:
+            engine.enter_module(info, m)
+
+        def post(m: nn.Module, args: Any, out: Any) -> None:
+            engine.exit_module(m)
+
+        handle.hooks.append(module.register_forward_pre_hook(pre))
+        handle.hooks.append(module.register_forward_hook(post, always_call=True))
+
+
+class stash:  # noqa: N801 - used as a context manager, like torch.no_grad
+    """Compress what autograd saves inside a ``with`` block: any code, functional ops included.
+
+    >>> with torchstash.stash("quant.int8"):
+    ...     loss = step(batch)
+    >>> loss.backward()
+    """
+
+    def __init__(
+        self,
+        strategy: str | None = None,
+        *,
+        policy: PolicyLike | None = None,
+        min_bytes: int = DEFAULT_MIN_BYTES,
+        **options: Any,
+    ) -> None:
+        self.plan = _as_plan(strategy, policy, options)
+        if self.plan.has_rewriters:
+            names = [b.name for b in self.plan.built.values() if b.rewriters]
+            raise ApplyError(
+                f"{', '.join(names)} rewrites modules, which a code region cannot do; "
+                f"use torchstash.apply(model, ...) instead"
+            )
+        self.engine = Engine(self.plan.compressor, min_bytes=min_bytes)
+        self._exit: Any = None
+
+    @property
+    def tally(self) -> Tally:
+        return self.engine.tally
+
+    def __enter__(self) -> stash:
+        if self._exit is not None:
+            raise ApplyError("this stash block is already active; create a new one")
+        self._exit = self.engine.activated()
+        self._exit.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        ctx, self._exit = self._exit, None
+        ctx.__exit__(exc_type, exc, tb)
+
+
+def strategies() -> list[dict[str, Any]]:
+    """Installed strategies: name, distribution, version, lossless, summary, options."""
+    return [
+        {
+            "name": s.name,
+            "distribution": s.distribution,
+            "version": s.version,
+            "lossless": s.lossless,
+            "summary": s.summary,
+            "options": s.options(),
+        }
+        for s in REGISTRY.strategies()
+    ]
+
+

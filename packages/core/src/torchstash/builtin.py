@@ -1,0 +1,30 @@
+"""The strategies the core ships: ``none`` and ``offload.cpu``."""
+
+from __future__ import annotations
+
+from .offload import CpuOffload
+from .registry import Registry
+
+
+def _none() -> None:
+    """Stores every saved tensor as it is (and counts it): the baseline for measurement."""
+    return None
+
+
+def _offload_cpu(prefetch: int = 2, pin_memory: bool = True) -> CpuOffload:
+    return CpuOffload(prefetch=prefetch, pin_memory=pin_memory)
+
+
+def register(registry: Registry) -> None:
+    registry.register(
+        "none",
+        _none,
+        lossless=True,
+        summary="identity: stores saved tensors as they are and counts them",
+    )
+    registry.register(
+        "offload.cpu",
+        _offload_cpu,
+        lossless=True,
+        summary="saved tensors to pinned host memory on a side stream, prefetched for backward",
+    )

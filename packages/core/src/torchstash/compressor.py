@@ -1,0 +1,93 @@
+"""The compressor protocol, a convenient base class, and composition of two compressors."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Protocol, runtime_checkable
+
+import torch
+
+from .packed import Packed
+from .site import Site
+
+
+@runtime_checkable
+class Compressor(Protocol):
+    """Turns a saved tensor into a :class:`Packed` record and back.
+
+    ``compress`` may decline a tensor by returning it unchanged; ``unsupported`` says why in
+    advance (an empty list means it will compress). Stateful compressors key their state by
+    ``site.key``.
+    """
+
+    name: str
+    lossless: bool
+
+    def unsupported(self, x: torch.Tensor, site: Site) -> list[str]: ...
+
+    def compress(self, x: torch.Tensor, site: Site) -> Packed | torch.Tensor: ...
+
+    def decompress(self, packed: Packed) -> torch.Tensor: ...
+
+
+class BaseCompressor:
+    """Shared defaults: floating tensors only, no state. Subclasses set ``name``/``lossless``."""
+
+    name: ClassVar[str] = ""
+    lossless: ClassVar[bool] = False
+    #: payload keys a following compressor may compress further (None: every float payload)
+    composable: ClassVar[tuple[str, ...] | None] = None
+
+    def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
+        reasons = []
+        if not (x.is_floating_point() or x.is_complex()):
+            reasons.append(f"{self.name} compresses floating tensors, got {x.dtype}")
+        if x.is_complex():
+            reasons.append(f"{self.name} does not handle complex tensors")
+        return reasons
+
+    def compress(self, x: torch.Tensor, site: Site) -> Packed | torch.Tensor:
+        raise NotImplementedError
+
+    def decompress(self, packed: Packed) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+class Composed:
+    """``first`` then ``then`` on ``first``'s payload (e.g. dropit.mink's kept values to int8)."""
+
+    def __init__(self, first: Compressor, then: Compressor) -> None:
+        self.first = first
+        self.then = then
+        self.name = f"{first.name}>{then.name}"
+        self.lossless = bool(first.lossless and then.lossless)
+
+    def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
+        return self.first.unsupported(x, site)
+
+    def compress(self, x: torch.Tensor, site: Site) -> Packed | torch.Tensor:
+        packed = self.first.compress(x, site)
+        if not isinstance(packed, Packed):
+            return packed
+        keys = getattr(self.first, "composable", None)
+        for key, value in list(packed.tensors.items()):
+            if isinstance(value, Packed) or (keys is not None and key not in keys):
+                continue
+            inner_site = dataclasses.replace(site, role=f"{site.role}/{key}")
+            if value.numel() == 0 or self.then.unsupported(value, inner_site):
+                continue
+            packed.tensors[key] = self.then.compress(value, inner_site)
+        return packed
+
+    def decompress(self, packed: Packed) -> torch.Tensor:
+        inner = {
+            k: self.then.decompress(v) if isinstance(v, Packed) else v
+            for k, v in packed.tensors.items()
+        }
+        return self.first.decompress(dataclasses.replace(packed, tensors=inner))
+
+    def __repr__(self) -> str:
+        return f"<Composed {self.name}>"

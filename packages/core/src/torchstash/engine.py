@@ -1,0 +1,340 @@
+"""The engine: saved-tensor hooks that compress what autograd saves, with exact accounting.
+
+One :class:`Engine` serves one ``apply`` handle or one ``stash`` block. Its pack hook names the
+tensor's :class:`Site` (innermost module, op, role), skips what must stay as is (parameters,
+buffers, integer and bool tensors, small tensors), stores a tensor saved by several ops once,
+asks the policy for a compressor, and counts raw and stored bytes per module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .compressor import Compressor
+from .errors import CompressionError
+from .optrack import STATE as OP_STATE
+from .optrack import OpTracker, role_of
+from .packed import Packed, raw_nbytes
+from .site import Site
+
+Resolver = Callable[[Site, frozenset[str]], "Compressor | None"]
+
+#: Tensors smaller than this are stored as they are: compressing them saves nothing worth a kernel.
+DEFAULT_MIN_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    qualname: str
+    tag: str
+    type_name: str
+    index: int
+    type_names: frozenset[str]
+
+
+_NO_MODULE = ModuleInfo("", "", "", -1, frozenset())
+
+
+@dataclass
+class Row:
+    """Accounting for one module (or the top level)."""
+
+    module: str
+    module_type: str
+    saved: int = 0  # tensors autograd saved here (dedupe hits included)
+    shared: int = 0  # of which were already stored (same tensor saved by another op)
+    raw_bytes: int = 0  # bytes as stock PyTorch would hold them (each tensor once)
+    stored_bytes: int = 0  # bytes actually held (payloads)
+    host_bytes: int = 0  # of stored_bytes, held in host memory for an accelerator tensor
+    compressed: int = 0  # tensors a compressor packed
+    declined: Counter[str] = field(default_factory=Counter)  # reason -> count
+    ops: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+
+class Tally:
+    """Per-module accounting, plus the parameters autograd referenced (never counted as raw)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, Row] = {}
+        self.param_refs = 0
+        self._lock = threading.Lock()
+
+    def row(self, site: Site) -> Row:
+        r = self.rows.get(site.module)
+        if r is None:
+            r = self.rows[site.module] = Row(site.module, site.module_type)
+        return r
+
+    def reset(self) -> None:
+        with self._lock:
+            self.rows.clear()
+            self.param_refs = 0
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(r.raw_bytes for r in self.rows.values())
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(r.stored_bytes for r in self.rows.values())
+
+
+class _Entry:
+    """One stored tensor, shared by every op that saved it."""
+
+    __slots__ = ("__weakref__", "compressor", "site", "source", "value", "version")
+
+    def __init__(
+        self,
+        value: torch.Tensor | Packed,
+        compressor: Compressor | None,
+        site: Site,
+        version: int,
+        source: torch.Tensor | None,
+    ) -> None:
+        self.value = value
+        self.compressor = compressor
+        self.site = site
+        self.version = version
+        self.source: Callable[[], torch.Tensor | None] = (
+            weakref.ref(source) if source is not None else lambda: None
+        )
+
+
+class _Saved:
+    """What the pack hook hands autograd: a reference to a (possibly shared) entry."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry: _Entry) -> None:
+        self.entry = entry
+
+
+@dataclass
+class _Frame:
+    info: ModuleInfo
+    call: int
+    owner: object
+    ordinal: int = 0
+    exit: contextlib.ExitStack | None = None
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.frames: list[_Frame] = []
+        self.active = 0  # activations of this engine on this thread
+        self.calls: Counter[int] = Counter()
+        self.op_counts: Counter[str] = Counter()
+        self.last_call = -1
+
+
+class Engine:
+    def __init__(
+        self,
+        resolve: Resolver,
+        *,
+        min_bytes: int = DEFAULT_MIN_BYTES,
+        skip_ptrs: Callable[[], set[int]] | None = None,
+        dedupe: bool = True,
+    ) -> None:
+        self.resolve = resolve
+        self.min_bytes = min_bytes
+        self.dedupe = dedupe
+        self.tally = Tally()
+        self._skip_ptrs = skip_ptrs
+        self._skip: set[int] = set()
+        self._tls = _ThreadState()
+        self._live: weakref.WeakValueDictionary[tuple[Any, ...], _Entry] = (
+            weakref.WeakValueDictionary()
+        )
+
+    # -- scoping ------------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return self._tls.active > 0
+
+    @contextlib.contextmanager
+    def activated(self) -> Iterator[None]:
+        with self._activation():
+            yield
+
+    def _activation(self) -> contextlib.ExitStack:
+        """Enter the hooks and the op tracker; the returned stack exits them."""
+        stack = contextlib.ExitStack()
+        tls = self._tls
+        if tls.active == 0:
+            tls.calls.clear()
+            tls.op_counts.clear()
+            self._skip = self._skip_ptrs() if self._skip_ptrs else set()
+        tls.active += 1
+        stack.callback(self._deactivate)
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
+        if OP_STATE.depth == 0:
+            stack.enter_context(OpTracker())
+            OP_STATE.depth += 1
+            stack.callback(_leave_tracker)
+        return stack
+
+    def _deactivate(self) -> None:
+        self._tls.active -= 1
+
+    def enter_module(self, info: ModuleInfo, owner: object) -> None:
+        """Called before a module's forward: activates the engine if this is the outermost call."""
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            return
+        tls = self._tls
+        exit_stack = None if tls.active else self._activation()
+        if exit_stack is not None:
+            exit_stack.__enter__()
+        key = id(owner)
+        call = tls.calls[key]
+        tls.calls[key] += 1
+        tls.frames.append(_Frame(info, call, owner, exit=exit_stack))
+
+    def exit_module(self, owner: object) -> None:
+        """Called after a module's forward (also when it raised): pops its frame and above."""
+        frames = self._tls.frames
+        for i in range(len(frames) - 1, -1, -1):
+            if frames[i].owner is owner:
+                popped = frames[i:]
+                del frames[i:]
+                for f in reversed(popped):
+                    if f.exit is not None:
+                        f.exit.close()
+                return
+
+    # -- hooks --------------------------------------------------------------------------------
+
+    def _site(self, t: torch.Tensor) -> Site:
+        tls = self._tls
+        frame = tls.frames[-1] if tls.frames else None
+        info = frame.info if frame else _NO_MODULE
+        ordinal = 0
+        if frame is not None:
+            ordinal = frame.ordinal
+            frame.ordinal += 1
+        op, func = OP_STATE.op, OP_STATE.raw
+        op_index = -1
+        if op:
+            if tls.last_call != OP_STATE.call_id:  # first tensor this op call saves
+                tls.last_call = OP_STATE.call_id
+                tls.op_counts[op] += 1
+            op_index = tls.op_counts[op] - 1
+        return Site(
+            module=info.qualname,
+            tag=info.tag,
+            module_type=info.type_name,
+            module_index=info.index,
+            op=op,
+            func=func,
+            op_index=op_index,
+            role=role_of(t) if op else "",
+            ordinal=ordinal,
+            call=frame.call if frame else 0,
+        )
+
+    def pack(self, t: torch.Tensor) -> _Saved:
+        if isinstance(t, torch.nn.Parameter) or t.data_ptr() in self._skip:
+            self.tally.param_refs += 1
+            return _Saved(_Entry(t.detach(), None, Site(), t._version, None))
+        site = self._site(t)
+        row = self.tally.row(site)
+        row.saved += 1
+        row.ops[site.op or "?"] += 1
+        key = None
+        if self.dedupe and t.numel() > 0:
+            key = (t.data_ptr(), t.dtype, t.device, tuple(t.shape), t.stride(), t._version)
+            hit = self._live.get(key)
+            if hit is not None and hit.source() is not None:
+                row.shared += 1
+                return _Saved(hit)
+        entry = self._store(t, site, row)
+        if key is not None:
+            self._live[key] = entry
+        return _Saved(entry)
+
+    def _store(self, t: torch.Tensor, site: Site, row: Row) -> _Entry:
+        nbytes = raw_nbytes(t)
+        row.raw_bytes += nbytes
+        compressor = None
+        reason = ""
+        if not t.is_floating_point():
+            reason = f"{t.dtype} tensors are stored as they are"
+        elif nbytes < self.min_bytes:
+            reason = f"smaller than min_bytes={self.min_bytes}"
+        else:
+            compressor = self.resolve(site, self._types(site))
+        value: torch.Tensor | Packed = t.detach()
+        if compressor is not None:
+            reasons = compressor.unsupported(t, site)
+            if reasons:
+                reason = "; ".join(reasons)
+            else:
+                try:
+                    out = compressor.compress(t.detach(), site)
+                except Exception as e:
+                    raise CompressionError(
+                        f"{compressor.name} failed to compress the {tuple(t.shape)} {t.dtype} "
+                        f"tensor ({site.describe()}): {e}. Exclude this site with a policy rule "
+                        f"(strategy = 'none') or report the bug."
+                    ) from e
+                if isinstance(out, Packed):
+                    value = out
+                    row.compressed += 1
+                else:
+                    reason = f"{compressor.name} declined it"
+        if reason:
+            row.declined[reason] += 1
+        if isinstance(value, Packed):
+            stored = value.nbytes()
+            if t.device.type != "cpu":
+                row.host_bytes += sum(
+                    raw_nbytes(p) for p in value.payload_tensors() if p.device.type == "cpu"
+                )
+        else:
+            stored = nbytes
+        row.stored_bytes += stored
+        by_ref = value if isinstance(value, torch.Tensor) else None
+        return _Entry(value, compressor, site, t._version, by_ref)
+
+    def _types(self, site: Site) -> frozenset[str]:
+        frames = self._tls.frames
+        return frames[-1].info.type_names if frames else frozenset()
+
+    def unpack(self, saved: _Saved) -> torch.Tensor:
+        entry = saved.entry
+        value = entry.value
+        if isinstance(value, torch.Tensor):
+            if value._version != entry.version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by "
+                    f"an inplace operation: the {tuple(value.shape)} {value.dtype} tensor "
+                    f"({entry.site.describe()}) is at version {value._version}; expected version "
+                    f"{entry.version} instead. Avoid the in-place op or clone before it."
+                )
+            return value
+        assert entry.compressor is not None
+        try:
+            return entry.compressor.decompress(value)
+        except Exception as e:
+            raise CompressionError(
+                f"{entry.compressor.name} failed to restore the {tuple(value.shape)} "
+                f"{value.dtype} tensor ({entry.site.describe()}): {e}"
+            ) from e
+
+
+def _leave_tracker() -> None:
+    OP_STATE.depth -= 1

@@ -1,0 +1,19 @@
+"""Every environment variable torchstash reads, in one place."""
+
+from __future__ import annotations
+
+import os
+
+#: ``auto`` (build kernels, fall back to the reference with one warning), ``off``
+#: (always the pure-PyTorch reference) or ``require`` (a failed build is an error).
+KERNELS = "TORCHSTASH_KERNELS"
+#: Comma-separated plug-in (distribution or entry-point) names to skip; ``*`` skips all.
+DISABLE_PLUGINS = "TORCHSTASH_DISABLE_PLUGINS"
+#: Where compiled kernels are cached (default: ``~/.cache/torchstash/kernels``).
+CACHE_DIR = "TORCHSTASH_CACHE_DIR"
+#: Where the kernel sources live (default: the checkout's ``csrc/`` or the packaged copy).
+CSRC_DIR = "TORCHSTASH_CSRC_DIR"
+
+
+def get(name: str, default: str = "") -> str:
+    return os.environ.get(name, default).strip()

@@ -1,0 +1,116 @@
+"""Pure-PyTorch golden models of the compiled kernels (csrc/README.md has the layouts).
+
+They define the expected bits for the parity tests, and they are the fallback
+when the kernels cannot be built, so they are vectorized rather than literal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import (
+    check_bits,
+    check_codes,
+    check_numel,
+    check_packed,
+    check_u64,
+    packed_size,
+)
+
+__all__ = ["pack_bits_ref", "philox4x32_10", "philox_uniform_ref", "unpack_bits_ref"]
+
+# Philox4x32-10 constants (Random123).
+M0, M1 = 0xD2511F53, 0xCD9E8D57
+W0, W1 = 0x9E3779B9, 0xBB67AE85
+ROUNDS = 10
+_MASK32 = 0xFFFFFFFF
+# Blocks per chunk: keeps the ~10 int64 temporaries of a round inside the caches.
+_PHILOX_CHUNK = 1 << 16
+
+
+def _shifts(bits: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
+
+
+def pack_bits_ref(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packs uint8/bool ``codes`` (any shape, low ``bits`` bits kept) into 1-D uint8."""
+    check_bits(bits, op="pack_bits_ref")
+    check_codes(codes, bits, op="pack_bits_ref")
+    n = codes.numel()
+    flat = torch.empty(n, dtype=torch.uint8, device=codes.device)
+    flat.view(codes.shape).copy_(codes)  # one copy whatever the strides; bool -> 0/1
+    if bits == 8:
+        return flat
+    per = 8 // bits
+    nbytes = packed_size(n, bits)
+    if nbytes * per != n:
+        flat = torch.cat([flat, flat.new_zeros(nbytes * per - n)])
+    fields = (flat.view(nbytes, per) & ((1 << bits) - 1)) << _shifts(bits, codes.device)
+    return fields.sum(dim=1, dtype=torch.uint8)  # disjoint bit fields: sum == or
+
+
+def unpack_bits_ref(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Unpacks the first ``numel`` codes of a 1-D uint8 ``packed`` buffer."""
+    check_bits(bits, op="unpack_bits_ref")
+    check_numel(numel, op="unpack_bits_ref")
+    check_packed(packed, bits, numel, op="unpack_bits_ref")
+    if bits == 8:
+        return packed.clone(memory_format=torch.contiguous_format)
+    codes = (packed.unsqueeze(1) >> _shifts(bits, packed.device)) & ((1 << bits) - 1)
+    return codes.view(-1)[:numel]
+
+
+def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit halves of a * b, for a < 2**32 and int64 b in [0, 2**32).
+
+    b is split into 16-bit halves, so every partial product stays below 2**49.
+    """
+    x = (b & 0xFFFF) * a
+    y = (b >> 16) * a
+    t = x + ((y & 0xFFFF) << 16)
+    return (y >> 16) + (t >> 32), t & _MASK32
+
+
+def philox4x32_10(
+    counter: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], key: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Philox4x32-10 on int64 tensors holding 32-bit words (the Random123 algorithm)."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for r in range(ROUNDS):
+        if r:
+            k0, k1 = (k0 + W0) & _MASK32, (k1 + W1) & _MASK32
+        hi0, lo0 = _mulhilo(M0, c0)
+        hi1, lo1 = _mulhilo(M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def _philox_blocks(first: int, count: int, seed: int, offset: int, device: torch.device) -> torch.Tensor:
+    """The (count, 4) int64 output words of blocks [first, first + count)."""
+    block = torch.arange(first, first + count, dtype=torch.int64, device=device)
+    counter = (
+        block & _MASK32,
+        block >> 32,
+        torch.full_like(block, offset & _MASK32),
+        torch.full_like(block, offset >> 32),
+    )
+    return torch.stack(philox4x32_10(counter, (seed & _MASK32, seed >> 32)), dim=1)
+
+
+def philox_uniform_ref(
+    numel: int, seed: int, offset: int = 0, *, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """``numel`` float32 uniforms in [0, 1) from Philox4x32-10 at (seed, offset)."""
+    check_numel(numel, op="philox_uniform_ref")
+    check_u64(seed, "seed", op="philox_uniform_ref")
+    check_u64(offset, "offset", op="philox_uniform_ref")
+    dev = torch.device(device)
+    out = torch.empty(numel, dtype=torch.float32, device=dev)
+    blocks = (numel + 3) // 4
+    for first in range(0, blocks, _PHILOX_CHUNK):
+        count = min(_PHILOX_CHUNK, blocks - first)
+        words = _philox_blocks(first, count, seed, offset, dev).view(-1)
+        lo, hi = first * 4, min(numel, (first + count) * 4)
+        out[lo:hi] = (words[: hi - lo] >> 8).to(torch.float32) * 2.0**-24
+    return out

@@ -1,0 +1,145 @@
+"""Which op is running: a TorchFunctionMode that records the op around each torch call.
+
+The pack hook runs inside the op that saves the tensor; this tracker lets it name that op
+(``linear``, ``matmul``, ``softmax``...) and the tensor's role in it, so a policy can reach
+``q @ k.transpose(-2, -1)`` or ``attn.softmax(-1)`` without editing the model.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# Raw function names that share one canonical op name.
+_CANONICAL = {
+    "mm": "matmul",
+    "bmm": "matmul",
+    "matmul": "matmul",
+    "baddbmm": "matmul",
+    "einsum": "matmul",
+    "conv1d": "conv",
+    "conv2d": "conv",
+    "conv3d": "conv",
+    "conv_transpose1d": "conv",
+    "conv_transpose2d": "conv",
+    "conv_transpose3d": "conv",
+    "addmm": "linear",
+    "softmax": "softmax",
+    "log_softmax": "softmax",
+    "_softmax": "softmax",
+    "batch_norm": "batch_norm",
+    "sdpa": "scaled_dot_product_attention",
+}
+
+#: Canonical op names policies commonly select (others: any torch function's name).
+KNOWN_OPS = frozenset(
+    {
+        "linear",
+        "matmul",
+        "conv",
+        "softmax",
+        "gelu",
+        "silu",
+        "relu",
+        "layer_norm",
+        "group_norm",
+        "rms_norm",
+        "batch_norm",
+        "dropout",
+        "embedding",
+        "scaled_dot_product_attention",
+        "max_pool",
+        "avg_pool",
+        "mul",
+        "add",
+        "tanh",
+        "sigmoid",
+    }
+)
+
+_names: dict[Any, tuple[str, str]] = {}
+
+
+def op_names(func: Callable[..., Any]) -> tuple[str, str]:
+    """(canonical, raw) names of a torch function, cached per function object."""
+    hit = _names.get(func)
+    if hit is None:
+        raw = getattr(func, "__name__", None) or type(func).__name__
+        base = raw.strip("_")
+        if base.startswith("r") and raw.startswith("__r"):
+            base = base[1:]  # __rmatmul__ -> matmul
+        base = base.removesuffix("_")  # in-place variants (relu_) share the op
+        for pool in ("max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool"):
+            if base.startswith(pool):
+                base = pool.removeprefix("adaptive_")
+        hit = (_CANONICAL.get(base, base), raw)
+        _names[func] = hit
+    return hit
+
+
+def is_known_op(name: str) -> bool:
+    """True for a canonical op name or the name of a function torch exposes."""
+    if name in KNOWN_OPS or name in _CANONICAL:
+        return True
+    return any(
+        hasattr(ns, name) or hasattr(ns, f"__{name}__")
+        for ns in (torch, torch.Tensor, torch.nn.functional)
+    )
+
+
+class OpState(threading.local):
+    """The op running on this thread (empty outside any torch call)."""
+
+    def __init__(self) -> None:
+        self.op = ""
+        self.raw = ""
+        self.args: Sequence[Any] = ()
+        self.depth = 0  # trackers active on this thread
+        self.call_id = 0  # increments at every tracked call
+
+
+STATE = OpState()
+
+
+class OpTracker(TorchFunctionMode):
+    """Records the outermost torch call running, for the pack hook to read."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if not torch.is_grad_enabled():  # nothing is saved: no work
+            return func(*args, **(kwargs or {}))
+        state = STATE
+        prev = (state.op, state.raw, state.args)
+        state.op, state.raw = op_names(func)
+        state.args = args
+        state.call_id += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            state.op, state.raw, state.args = prev
+
+
+def role_of(t: torch.Tensor) -> str:
+    """``input`` (the op's first tensor argument), ``argN``, or ``output`` (anything else)."""
+    i = 0
+    for a in STATE.args:
+        if isinstance(a, torch.Tensor):
+            if a is t or (
+                a.data_ptr() == t.data_ptr()
+                and a.shape == t.shape
+                and a.dtype == t.dtype
+                and a.stride() == t.stride()
+                and a.numel() > 0
+            ):
+                return "input" if i == 0 else f"arg{i}"
+            i += 1
+    return "output"

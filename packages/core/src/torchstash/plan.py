@@ -1,0 +1,132 @@
+"""From a policy to working parts: each rule's strategy built once, and per-site resolution."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from torch import nn
+
+from .compressor import Composed, Compressor
+from .errors import OptionError, PolicyError, RegistryError
+from .policy import Policy, Rule
+from .registry import REGISTRY, Registry
+from .site import Site
+
+CHAIN = ">"
+
+
+@runtime_checkable
+class Rewriter(Protocol):
+    """A strategy part that swaps modules for memory-saving ones (memsave's layers)."""
+
+    name: str
+
+    def rewrite(self, module: nn.Module) -> nn.Module | None:
+        """The replacement for ``module`` (sharing its parameters), or None to keep it."""
+        ...
+
+
+@dataclass(frozen=True)
+class Built:
+    """What one rule's strategy provides: a compressor for saved tensors, module rewriters."""
+
+    name: str
+    compressor: Compressor | None
+    rewriters: tuple[Rewriter, ...]
+    lossless: bool
+
+
+def build(strategy: str, options: Mapping[str, Any], registry: Registry | None = None) -> Built:
+    """Build ``strategy`` (``a>b`` chains: rewriters from every part, compressors composed)."""
+    reg = registry or REGISTRY
+    parts = [p.strip() for p in strategy.split(CHAIN)]
+    if any(not p for p in parts):
+        raise RegistryError(f"malformed strategy {strategy!r}: write 'a' or 'a>b'")
+    if len(parts) > 1:
+        unknown = set(options) - set(parts)
+        if unknown:
+            raise OptionError(
+                f"options for the chain {strategy!r} must be keyed by part name "
+                f"({', '.join(parts)}), got {sorted(unknown)}"
+            )
+    compressors: list[Compressor] = []
+    rewriters: list[Rewriter] = []
+    lossless = True
+    for part in parts:
+        spec = reg.get(part)
+        opts = options.get(part, {}) if len(parts) > 1 else options
+        obj = spec.create(**dict(opts))
+        lossless = lossless and spec.lossless
+        provides = False
+        if isinstance(obj, Rewriter):
+            rewriters.append(obj)
+            provides = True
+        if isinstance(obj, Compressor):
+            compressors.append(obj)
+            provides = True
+        if obj is None:
+            provides = True  # "none": store as is
+        if not provides:
+            raise RegistryError(
+                f"strategy {part!r} ({spec.distribution}) built {obj!r}, which is neither a "
+                f"compressor (compress/decompress/unsupported) nor a rewriter (rewrite)"
+            )
+    compressor: Compressor | None = None
+    for c in compressors:
+        compressor = c if compressor is None else Composed(compressor, c)
+    return Built(strategy, compressor, tuple(rewriters), lossless)
+
+
+class Plan:
+    """A policy with every rule built; resolves a site to its compressor."""
+
+    def __init__(self, policy: Policy, registry: Registry | None = None) -> None:
+        self.policy = policy
+        self.built: dict[int, Built] = {}
+        for i, rule in enumerate(policy.rules):
+            try:
+                self.built[i] = build(rule.strategy, rule.options, registry)
+            except (RegistryError, OptionError) as e:
+                raise type(e)(f"{rule.source}: {e}") from e
+        self._index = {id(r): i for i, r in enumerate(policy.rules)}
+
+    def built_for(self, rule: Rule) -> Built:
+        return self.built[self._index[id(rule)]]
+
+    def compressor(self, site: Site, type_names: frozenset[str]) -> Compressor | None:
+        rule = self.policy.resolve(site, type_names)
+        return None if rule is None else self.built_for(rule).compressor
+
+    def rewriters(self, site: Site, type_names: frozenset[str]) -> tuple[Rewriter, ...]:
+        """Rewriters for a module: the last rule that can select a module decides."""
+        for rule in reversed(self.policy.rules):
+            if not rule.selects_tensors_only and rule.matches(site, type_names):
+                return self.built_for(rule).rewriters
+        return ()
+
+    @property
+    def has_rewriters(self) -> bool:
+        return any(b.rewriters for b in self.built.values())
+
+    @property
+    def has_compressors(self) -> bool:
+        return any(b.compressor is not None for b in self.built.values())
+
+    def check_types(self, type_names: set[str]) -> None:
+        """Every ``type``/``tag`` selector must name a known tag or a class in the model."""
+        from .optrack import is_known_op
+        from .tags import KNOWN_TAGS
+
+        for rule in self.policy.rules:
+            for key in ("type", "tag"):
+                value = getattr(rule, key)
+                if value is None or value in KNOWN_TAGS or value in type_names:
+                    continue
+                if key == "tag" and is_known_op(value):
+                    continue
+                raise PolicyError(
+                    f"{rule.source}: unknown {key} {value!r}: no module of that type in the model "
+                    f"and not a known tag ({', '.join(sorted(KNOWN_TAGS))})."
+                )

@@ -1,0 +1,226 @@
+"""Policies: ordered rules that say which strategy saves which tensor.
+
+A rule has selectors (all given ones must match) and a strategy with options. The **last**
+matching rule wins, so a policy reads as defaults followed by exceptions (as Mesa's files do).
+``strategy = "none"`` stores a tensor as is; ``enable = false`` is the same.
+
+Selectors:
+  ``type``   module type tag (``linear``, ``conv``, ``gelu``, ``bn``, ``fc``...) or class name
+  ``index``  with ``type``: index (or list of indices) among the model's modules of that type
+  ``module`` glob on the module's qualified name (``blocks.*.mlp``)
+  ``op``     op that saved the tensor (``linear``, ``matmul``, ``softmax``, ``gelu``...)
+  ``op_index`` with ``op``: the op's occurrence index in one forward
+  ``role``   the tensor's role in that op (``input``, ``arg1``, ``output``)
+  ``tag``    a ``type`` or an ``op`` (Mesa's tags cover modules and functional ops alike)
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import tomllib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import tags
+from .errors import PolicyError
+from .optrack import is_known_op
+from .site import Site
+
+SELECTORS = ("type", "index", "module", "op", "op_index", "role", "tag")
+RULE_KEYS = (*SELECTORS, "strategy", "options", "enable")
+
+
+@dataclass(frozen=True)
+class Rule:
+    strategy: str = "none"
+    options: Mapping[str, Any] = field(default_factory=dict)
+    type: str | None = None
+    index: frozenset[int] | None = None
+    module: str | None = None
+    op: str | None = None
+    op_index: frozenset[int] | None = None
+    role: str | None = None
+    tag: str | None = None
+    #: where the rule came from, for error messages ("rule 3 (policy.toml, line 12)")
+    source: str = "rule"
+
+    @property
+    def selects_tensors_only(self) -> bool:
+        """True when the rule needs an op or role, so it cannot pick a module to rewrite."""
+        return self.op is not None or self.role is not None or self.op_index is not None
+
+    def matches(self, site: Site, type_names: frozenset[str] = frozenset()) -> bool:
+        names = type_names or frozenset({site.tag})
+        if self.type is not None:
+            if self.type not in names:
+                return False
+            if self.index is not None and site.module_index not in self.index:
+                return False
+        if self.tag is not None and self.tag not in names and self.tag != site.op:
+            return False
+        if self.module is not None and not fnmatch.fnmatchcase(site.module, self.module):
+            return False
+        if self.op is not None and self.op not in (site.op, site.func):
+            return False
+        if self.op_index is not None and site.op_index not in self.op_index:
+            return False
+        return self.role is None or fnmatch.fnmatchcase(site.role, self.role)
+
+
+class Policy:
+    """Ordered rules; :meth:`resolve` returns the last rule matching a site."""
+
+    def __init__(self, rules: Sequence[Rule], name: str = "policy") -> None:
+        self.rules = tuple(rules)
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Policy({self.name!r}, {len(self.rules)} rules)"
+
+    def resolve(self, site: Site, type_names: frozenset[str] = frozenset()) -> Rule | None:
+        for rule in reversed(self.rules):
+            if rule.matches(site, type_names):
+                return rule
+        return None
+
+    # -- constructors -------------------------------------------------------------------------
+
+    @classmethod
+    def single(cls, strategy: str, **options: Any) -> Policy:
+        """Every tensor by one strategy."""
+        return cls([Rule(strategy, dict(options), source=f"strategy {strategy!r}")], strategy)
+
+    @classmethod
+    def from_rules(cls, rules: Iterable[Mapping[str, Any] | Rule], name: str = "policy") -> Policy:
+        """Rules given as dicts (the TOML shape) or :class:`Rule` objects."""
+        built = []
+        for i, r in enumerate(rules, 1):
+            built.append(r if isinstance(r, Rule) else rule_from_dict(r, f"rule {i} ({name})"))
+        return cls(built, name)
+
+    @classmethod
+    def from_toml(cls, text: str, name: str = "<toml>") -> Policy:
+        """``[[rule]]`` tables; see the module docstring for the keys."""
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise PolicyError(f"{name}: not valid TOML: {e}") from None
+        unknown = set(data) - {"rule"}
+        if unknown:
+            raise PolicyError(
+                f"{name}: unknown top-level key(s) {sorted(unknown)}; a policy file holds "
+                f"[[rule]] tables only."
+            )
+        raw_rules = data.get("rule", [])
+        if not isinstance(raw_rules, list):
+            raise PolicyError(f"{name}: write rules as [[rule]] tables, not [rule]")
+        lines = [i for i, ln in enumerate(text.splitlines(), 1) if ln.strip().startswith("[[rule")]
+        rules = []
+        for i, r in enumerate(raw_rules):
+            line = f", line {lines[i]}" if i < len(lines) else ""
+            rules.append(rule_from_dict(r, f"rule {i + 1} ({name}{line})"))
+        return cls(rules, name)
+
+    @classmethod
+    def from_mesa(cls, text: str, name: str = "<mesa>", strategy: str = "quant.mesa") -> Policy:
+        """Mesa's policy text format (``on gelu:`` blocks of ``by_index``/``enable``/...)."""
+        from .mesa_format import parse_mesa
+
+        return cls(parse_mesa(text, name, strategy), name)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Policy:
+        """A policy file: TOML (``.toml``) or Mesa's text format (anything else)."""
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise PolicyError(f"cannot read policy file {str(p)!r}: {e}") from None
+        if p.suffix == ".toml":
+            return cls.from_toml(text, p.name)
+        return cls.from_mesa(text, p.name)
+
+
+def as_policy(policy: Policy | str | Path | Sequence[Mapping[str, Any] | Rule]) -> Policy:
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, (str, Path)):
+        return Policy.load(policy)
+    return Policy.from_rules(policy)
+
+
+def rule_from_dict(raw: Mapping[str, Any], source: str) -> Rule:
+    """Validate one rule's keys and values; every error names ``source``."""
+    if not isinstance(raw, Mapping):
+        raise PolicyError(f"{source}: a rule is a table of keys, got {raw!r}")
+    unknown = set(raw) - set(RULE_KEYS)
+    if unknown:
+        hint = _did_you_mean(sorted(unknown)[0], RULE_KEYS)
+        raise PolicyError(
+            f"{source}: unknown key(s) {sorted(unknown)}{hint}. Valid keys: {', '.join(RULE_KEYS)}."
+        )
+    strategy = raw.get("strategy", "none")
+    if not isinstance(strategy, str) or not strategy:
+        raise PolicyError(f"{source}: 'strategy' must be a strategy name such as 'quant.int8'")
+    if raw.get("enable", True) is False:
+        strategy = "none"
+    elif not isinstance(raw.get("enable", True), bool):
+        raise PolicyError(f"{source}: 'enable' must be true or false")
+    options = raw.get("options", {})
+    if not isinstance(options, Mapping):
+        raise PolicyError(f"{source}: 'options' must be a table, got {options!r}")
+    if strategy == "none" and options:
+        raise PolicyError(f"{source}: strategy 'none' takes no options, got {dict(options)}")
+    kw: dict[str, Any] = {}
+    for key in ("type", "tag"):
+        if key in raw:
+            kw[key] = _type_name(raw[key], key, source)
+    for key in ("module", "role"):
+        if key in raw:
+            if not isinstance(raw[key], str) or not raw[key]:
+                raise PolicyError(f"{source}: {key!r} must be a non-empty string")
+            kw[key] = raw[key]
+    if "op" in raw:
+        op = raw["op"]
+        if not isinstance(op, str) or not is_known_op(op):
+            raise PolicyError(
+                f"{source}: unknown op {op!r}. Use an op name such as "
+                f"linear, matmul, softmax, gelu, layer_norm, conv, scaled_dot_product_attention."
+            )
+        kw["op"] = op
+    for key, needs in (("index", "type"), ("op_index", "op")):
+        if key in raw:
+            if needs not in raw:
+                raise PolicyError(f"{source}: {key!r} needs {needs!r} (indices count {needs}s)")
+            kw[key] = _indices(raw[key], key, source)
+    return Rule(strategy=strategy, options=dict(options), source=source, **kw)
+
+
+def _type_name(value: Any, key: str, source: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise PolicyError(f"{source}: {key!r} must be a module type tag or class name")
+    return tags.normalize(value)
+
+
+def _indices(value: Any, key: str, source: str) -> frozenset[int] | None:
+    if value == "all":
+        return None
+    items = [value] if isinstance(value, int) else value
+    if not isinstance(items, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items
+    ):
+        raise PolicyError(f"{source}: {key!r} must be 'all', an index >= 0 or a list of them")
+    return frozenset(items)
+
+
+def _did_you_mean(word: str, choices: Sequence[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(word, choices, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+

@@ -1,0 +1,314 @@
+"""The strategy registry: one registration path, entry-point discovery, strict about clashes.
+
+A plug-in declares one entry point in the group ``torchstash.plugins``; its name is the prefix
+the plug-in owns (``quant`` owns ``quant`` and ``quant.*``) and its value a ``register(registry)``
+function that calls :meth:`Registry.register` -- the same call a user makes in-process.
+Plug-ins load lazily, by the prefix of the name asked for. A plug-in that fails to load breaks
+only requests for its own prefix, with the cause chained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata as metadata
+import inspect
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from . import env
+from .errors import (
+    DuplicateStrategyError,
+    OptionError,
+    PluginLoadError,
+    RegistryError,
+    UnknownStrategyError,
+)
+
+GROUP = "torchstash.plugins"
+IN_PROCESS = "<in-process>"
+
+Factory = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A named way to save less: ``factory(**options)`` builds a compressor and/or rewriter."""
+
+    name: str
+    factory: Factory
+    lossless: bool
+    summary: str
+    distribution: str
+    version: str
+
+    def options(self) -> list[str]:
+        """Names of the options the factory accepts."""
+        params = inspect.signature(self.factory).parameters.values()
+        return [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    def create(self, **options: Any) -> Any:
+        """Build the strategy's object; an unknown or missing option is an :class:`OptionError`."""
+        sig = inspect.signature(self.factory)
+        try:
+            sig.bind(**options)
+        except TypeError as e:
+            accepted = ", ".join(self.options()) or "none"
+            raise OptionError(
+                f"strategy {self.name!r} cannot take options {sorted(options)}: {e}. "
+                f"It accepts: {accepted}."
+            ) from None
+        return self.factory(**options)
+
+
+@dataclass(frozen=True)
+class PluginRecord:
+    """What happened when a plug-in's entry point was loaded."""
+
+    prefix: str
+    distribution: str
+    version: str
+    target: str
+    loaded: bool
+    error: BaseException | None = None
+    disabled: bool = False
+
+
+@dataclass(frozen=True)
+class _EntryPoint:
+    prefix: str
+    target: str
+    distribution: str
+    version: str
+    load: Callable[[], Any]
+
+
+def _discover() -> list[_EntryPoint]:
+    """Entry points of every installed distribution, read from metadata (nothing imported)."""
+    found: list[_EntryPoint] = []
+    seen: set[tuple[str, str]] = set()
+    for dist in metadata.distributions():
+        dist_name = dist.metadata["Name"] or "?"
+        for ep in dist.entry_points:
+            if ep.group != GROUP or (dist_name, ep.name) in seen:
+                continue
+            seen.add((dist_name, ep.name))
+            found.append(_EntryPoint(ep.name, ep.value, dist_name, dist.version, ep.load))
+    return found
+
+
+def _prefix(name: str) -> str:
+    return name.split(".", 1)[0]
+
+
+class Registry:
+    """Strategies by name. ``discover`` lists entry points (replace it in tests)."""
+
+    def __init__(
+        self,
+        discover: Callable[[], Iterable[_EntryPoint]] = _discover,
+        builtins: Callable[[Registry], None] | None = None,
+    ) -> None:
+        self._discover = discover
+        self._builtins = builtins
+        self._strategies: dict[str, Strategy] = {}
+        self._plugins: dict[str, PluginRecord] = {}
+        self._entry_points: dict[str, list[_EntryPoint]] | None = None
+        self._loading: list[tuple[str | None, str, str]] = []  # (prefix, distribution, version)
+        self._lock = threading.RLock()
+
+    # -- registration -------------------------------------------------------------------------
+
+    def register(
+        self,
+        name: str,
+        factory: Factory,
+        *,
+        lossless: bool,
+        summary: str,
+    ) -> Strategy:
+        """Register ``name``. A name already taken is an error naming both providers."""
+        if not name or name.strip() != name or any(c in name for c in " >,"):
+            raise RegistryError(f"invalid strategy name {name!r}: use letters, digits, '.', '_'")
+        if not callable(factory):
+            raise RegistryError(f"strategy {name!r}: factory must be callable, got {factory!r}")
+        with self._lock:
+            if self._loading:
+                prefix, dist, version = self._loading[-1]
+                if prefix is not None and _prefix(name) != prefix:
+                    raise RegistryError(
+                        f"plug-in {dist} (entry point {prefix!r}) tried to register {name!r}; "
+                        f"a plug-in may only register names under its own prefix ({prefix!r} or "
+                        f"'{prefix}.*'). Rename the strategy or the entry point."
+                    )
+            else:
+                dist, version = IN_PROCESS, ""
+            existing = self._strategies.get(name)
+            if existing is not None:
+                raise DuplicateStrategyError(
+                    f"strategy {name!r} is offered twice:\n"
+                    f"  by {_who(existing.distribution, existing.version)}\n"
+                    f"  by {_who(dist, version)}\n"
+                    f"Uninstall one of them, or disable one with "
+                    f"{env.DISABLE_PLUGINS}=<entry point or distribution>."
+                )
+            strategy = Strategy(name, factory, bool(lossless), summary, dist, version)
+            self._strategies[name] = strategy
+            return strategy
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            self._strategies.pop(name, None)
+
+    # -- lookup -------------------------------------------------------------------------------
+
+    def get(self, name: str) -> Strategy:
+        """The strategy called ``name``, loading the plug-in that owns its prefix if needed."""
+        with self._lock:
+            self._ensure_builtins()
+            self._load_prefix(_prefix(name))  # always: a clash with a known name must surface
+            try:
+                return self._strategies[name]
+            except KeyError:
+                pass
+            record = self._plugins.get(_prefix(name))
+            if record is not None and record.error is not None:
+                raise PluginLoadError(
+                    f"strategy {name!r} belongs to plug-in {record.distribution} "
+                    f"{record.version}, which failed to load: {record.error!r}. "
+                    f"Run `torchstash doctor` for details; reinstall or fix that plug-in."
+                ) from record.error
+            if record is not None and record.disabled:
+                raise UnknownStrategyError(
+                    f"strategy {name!r} belongs to plug-in {record.distribution}, disabled by "
+                    f"{env.DISABLE_PLUGINS}={env.get(env.DISABLE_PLUGINS)!r}."
+                )
+            known = ", ".join(sorted(self.names())) or "none"
+            raise UnknownStrategyError(
+                f"unknown strategy {name!r}. Installed: {known}. A plug-in may be missing: "
+                f"pip install torchstash-{_prefix(name)} (if that is the plug-in you meant)."
+            )
+
+    def names(self) -> list[str]:
+        """Every strategy name, after loading every plug-in."""
+        self.load_all()
+        return sorted(self._strategies)
+
+    def strategies(self) -> list[Strategy]:
+        self.load_all()
+        return [self._strategies[n] for n in sorted(self._strategies)]
+
+    def plugins(self) -> list[PluginRecord]:
+        """Every plug-in's load record (loads them all), for ``torchstash doctor``."""
+        self.load_all()
+        return [self._plugins[p] for p in sorted(self._plugins)]
+
+    def load_all(self) -> None:
+        with self._lock:
+            self._ensure_builtins()
+            for prefix in list(self._entry_point_map()):
+                self._load_prefix(prefix)
+
+    # -- plug-in loading ----------------------------------------------------------------------
+
+    def _ensure_builtins(self) -> None:
+        if self._builtins is not None:
+            builtins, self._builtins = self._builtins, None
+            from ._version import __version__
+
+            with self._providing(None, "torchstash", __version__):
+                builtins(self)
+
+    def _entry_point_map(self) -> dict[str, list[_EntryPoint]]:
+        if self._entry_points is None:
+            by_prefix: dict[str, list[_EntryPoint]] = {}
+            for ep in self._discover():
+                by_prefix.setdefault(ep.prefix, []).append(ep)
+            self._entry_points = by_prefix
+        return self._entry_points
+
+    def _load_prefix(self, prefix: str) -> None:
+        if prefix in self._plugins:
+            return
+        eps = self._entry_point_map().get(prefix, [])
+        if not eps:
+            return
+        if len(eps) > 1:
+            sides = "\n".join(f"  {_who(ep.distribution, ep.version)} ({ep.target})" for ep in eps)
+            err = DuplicateStrategyError(
+                f"plug-in prefix {prefix!r} is claimed by {len(eps)} distributions:\n{sides}\n"
+                f"Uninstall all but one, or disable one with {env.DISABLE_PLUGINS}."
+            )
+            ep = eps[0]
+            self._plugins[prefix] = PluginRecord(
+                prefix, " and ".join(e.distribution for e in eps), ep.version, ep.target, False, err
+            )
+            raise err
+        ep = eps[0]
+        if _disabled(ep):
+            self._plugins[prefix] = PluginRecord(
+                prefix, ep.distribution, ep.version, ep.target, False, disabled=True
+            )
+            return
+        before = set(self._strategies)
+        try:
+            register = ep.load()
+            if not callable(register):
+                raise RegistryError(f"entry point {ep.target!r} is not callable")
+            with self._providing(prefix, ep.distribution, ep.version):
+                register(self)
+        except DuplicateStrategyError:
+            self._rollback(before)
+            self._plugins[prefix] = PluginRecord(
+                prefix, ep.distribution, ep.version, ep.target, False, None
+            )
+            raise
+        except Exception as e:  # a broken plug-in breaks only its own names
+            self._rollback(before)
+            self._plugins[prefix] = PluginRecord(
+                prefix, ep.distribution, ep.version, ep.target, False, e
+            )
+            return
+        self._plugins[prefix] = PluginRecord(prefix, ep.distribution, ep.version, ep.target, True)
+
+    def _rollback(self, before: set[str]) -> None:
+        for name in set(self._strategies) - before:
+            del self._strategies[name]
+
+    @contextlib.contextmanager
+    def _providing(self, prefix: str | None, dist: str, version: str) -> Iterator[None]:
+        self._loading.append((prefix, dist, version))
+        try:
+            yield
+        finally:
+            self._loading.pop()
+
+
+def _who(dist: str, version: str) -> str:
+    return f"{dist} {version}".strip()
+
+
+def _disabled(ep: _EntryPoint) -> bool:
+    raw = env.get(env.DISABLE_PLUGINS)
+    if not raw:
+        return False
+    names = {n.strip().lower() for n in raw.split(",") if n.strip()}
+    return "*" in names or ep.prefix.lower() in names or ep.distribution.lower() in names
+
+
+def _core_builtins(registry: Registry) -> None:
+    from .builtin import register
+
+    register(registry)
+
+
+#: The process-wide registry that :func:`torchstash.register_strategy` and ``apply`` use.
+REGISTRY = Registry(builtins=_core_builtins)
+
+
+def register_strategy(
+    name: str, factory: Factory, *, lossless: bool, summary: str, registry: Registry | None = None
+) -> Strategy:
+    """Register a strategy in-process (plug-ins reach the same code through their entry point)."""
+    return (registry or REGISTRY).register(name, factory, lossless=lossless, summary=summary)

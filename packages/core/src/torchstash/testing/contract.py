@@ -1,0 +1,193 @@
+"""The contract every compressor passes. Subclass it once per compressor and set the knobs:
+
+    from torchstash.testing.contract import CompressorContract
+
+    class TestInt8(CompressorContract):
+        lossless = False
+        max_error = 0.01          # |x - y| <= max_error * (max - min) of the tensor
+
+        def make_compressor(self):
+            return Int8Compressor()
+
+If a test here fails, the docstring of the test says what the contract expects.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+import torch
+from torch import nn
+
+from ..compressor import Compressor
+from ..engine import Engine
+from ..packed import Packed
+from ..site import Site
+
+SHAPES = [(4096,), (64, 257), (3, 5, 7, 11), (2, 3, 32, 32), (1,), (1000003,)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SITE = Site(module="layer", tag="linear", module_type="Linear", op="linear", role="input")
+
+
+class CompressorContract:
+    #: restored tensors equal the originals bit for bit
+    lossless: ClassVar[bool] = False
+    #: lossy bound: max |x - y| <= max_error * (max(x) - min(x)) per tensor
+    max_error: ClassVar[float] = 0.05
+    #: gradients under the hooks: cosine similarity to stock at least this (lossy)
+    min_grad_cosine: ClassVar[float] = 0.99
+    #: devices the compressor works on (others are skipped)
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    #: dtypes it compresses
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = tuple(DTYPES)
+
+    def make_compressor(self) -> Compressor:
+        raise NotImplementedError("return a fresh compressor")
+
+    def expect_smaller(self, dtype: torch.dtype) -> bool:
+        """Whether packed bytes must be below raw bytes for a large tensor of ``dtype``."""
+        return True
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _check_device(self, device: torch.device) -> None:
+        if device.type not in self.devices:
+            pytest.skip(f"{type(self).__name__} does not run on {device.type}")
+
+    def roundtrip(self, x: torch.Tensor) -> tuple[torch.Tensor, Packed | torch.Tensor]:
+        c = self.make_compressor()
+        assert c.unsupported(x, SITE) == [], c.unsupported(x, SITE)
+        packed = c.compress(x, SITE)
+        y = c.decompress(packed) if isinstance(packed, Packed) else packed
+        return y, packed
+
+    def assert_close(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        assert y.shape == x.shape and y.dtype == x.dtype and y.device == x.device
+        if self.lossless:
+            assert torch.equal(x, y) or bool(((x == y) | (x.isnan() & y.isnan())).all()), (
+                "lossless compressor changed values"
+            )
+            return
+        xf, yf = x.float(), y.float()
+        finite = xf.isfinite()
+        if finite.any():
+            span = (xf[finite].max() - xf[finite].min()).item()
+            err = (xf[finite] - yf[finite]).abs().max().item()
+            assert err <= self.max_error * max(span, 1e-6) + 1e-6, (
+                f"max error {err:.4g} above {self.max_error} of the range {span:.4g}"
+            )
+
+    # -- the contract -------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("shape", SHAPES, ids=str)
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    def test_roundtrip(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        """Restores shape, dtype and device; values exact (lossless) or within max_error."""
+        self._check_device(device)
+        if dtype not in self.dtypes:
+            pytest.skip(f"{dtype} not compressed")
+        x = torch.randn(shape, device=device).to(dtype)
+        y, _ = self.roundtrip(x)
+        self.assert_close(x, y)
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    def test_packed_smaller_than_raw(self, dtype: torch.dtype, device: torch.device) -> None:
+        """A large tensor's payload is smaller than the tensor (that is the point)."""
+        self._check_device(device)
+        if dtype not in self.dtypes or not self.expect_smaller(dtype):
+            pytest.skip("no size reduction promised for this dtype")
+        x = torch.randn(256, 1024, device=device).to(dtype)
+        _, packed = self.roundtrip(x)
+        assert isinstance(packed, Packed)
+        assert packed.nbytes() < x.numel() * x.element_size()
+
+    def test_packed_record(self, device: torch.device) -> None:
+        """The record names the codec and the original shape, dtype and device."""
+        self._check_device(device)
+        c = self.make_compressor()
+        x = torch.randn(64, 64, device=device)
+        packed = c.compress(x, SITE)
+        assert isinstance(packed, Packed)
+        assert packed.codec and packed.shape == x.shape and packed.dtype == x.dtype
+        assert packed.device == x.device
+        assert packed.nbytes() == sum(t.numel() * t.element_size() for t in packed.payload_tensors())
+
+    def test_non_contiguous(self, device: torch.device) -> None:
+        """Transposed and sliced inputs restore their values."""
+        self._check_device(device)
+        base = torch.randn(96, 130, device=device)
+        for x in (base.t(), base[:, ::2], base[1:, 3:]):
+            y, _ = self.roundtrip(x)
+            self.assert_close(x, y)
+
+    def test_channels_last(self, device: torch.device) -> None:
+        self._check_device(device)
+        x = torch.randn(2, 8, 16, 16, device=device).to(memory_format=torch.channels_last)
+        y, _ = self.roundtrip(x)
+        self.assert_close(x, y)
+
+    def test_empty_and_zero_dim(self, device: torch.device) -> None:
+        """Empty and 0-d tensors round-trip (or are declined with a reason)."""
+        self._check_device(device)
+        c = self.make_compressor()
+        for x in (torch.empty(0, 16, device=device), torch.tensor(1.5, device=device)):
+            if c.unsupported(x, SITE):
+                continue
+            packed = c.compress(x, SITE)
+            y = c.decompress(packed) if isinstance(packed, Packed) else packed
+            assert y.shape == x.shape and y.dtype == x.dtype
+            if x.numel():
+                self.assert_close(x, y)
+
+    def test_nan_inf_survive(self, device: torch.device) -> None:
+        """NaN, +Inf and -Inf come back where they were (GradScaler must see an overflow)."""
+        self._check_device(device)
+        x = torch.randn(4096, device=device)
+        x[7], x[1000], x[4000] = float("nan"), float("inf"), float("-inf")
+        y, _ = self.roundtrip(x)
+        assert y[7].isnan() and y[1000] == float("inf") and y[4000] == float("-inf")
+        assert int(y.isnan().sum()) == 1 and int(y.isinf().sum()) == 2
+
+    def test_decompress_twice(self, device: torch.device) -> None:
+        """retain_graph unpacks twice: both results agree and the record is not consumed."""
+        self._check_device(device)
+        c = self.make_compressor()
+        x = torch.randn(128, 96, device=device)
+        packed = c.compress(x, SITE)
+        assert isinstance(packed, Packed)
+        assert torch.equal(c.decompress(packed), c.decompress(packed))
+
+    def test_declines_integer_tensors(self, device: torch.device) -> None:
+        self._check_device(device)
+        c = self.make_compressor()
+        assert c.unsupported(torch.arange(100, device=device), SITE)
+
+    def test_gradients_under_hooks(self, device: torch.device) -> None:
+        """Training gradients through the engine match stock PyTorch (exact if lossless)."""
+        self._check_device(device)
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 32)
+        ).to(device)
+        x = torch.randn(128, 64, device=device)
+
+        def grads() -> torch.Tensor:
+            model.zero_grad()
+            model(x).square().mean().backward()
+            return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+        ref = grads()
+        compressor = self.make_compressor()
+        engine = Engine(lambda site, types: compressor, min_bytes=0)
+        with engine.activated():
+            got_loss = model(x).square().mean()
+        model.zero_grad()
+        got_loss.backward()
+        got = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        assert sum(r.compressed for r in engine.tally.rows.values()) > 0, "nothing compressed"
+        if self.lossless:
+            assert torch.equal(ref, got)
+        else:
+            cos = torch.nn.functional.cosine_similarity(ref, got, dim=0).item()
+            assert cos >= self.min_grad_cosine, f"gradient cosine {cos:.5f}"
