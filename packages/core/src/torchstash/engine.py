@@ -307,8 +307,7 @@ class Engine:
         else:
             stored = nbytes
         row.stored_bytes += stored
-        by_ref = value if isinstance(value, torch.Tensor) else None
-        return _Entry(value, compressor, site, t._version, by_ref)
+        return _Entry(value, compressor, site, t._version, t if self.dedupe else None)
 
     def _types(self, site: Site) -> frozenset[str]:
         frames = self._tls.frames

@@ -129,16 +129,17 @@ class OpTracker(TorchFunctionMode):
 
 
 def role_of(t: torch.Tensor) -> str:
-    """``input`` (the op's first tensor argument), ``argN``, or ``output`` (anything else)."""
+    """``input`` or ``argN`` when the tensor is (a view of) the op's N-th tensor argument;
+    ``output`` for anything the op made (its result, or a copy it took of an argument)."""
     i = 0
+    ptr = t.untyped_storage().data_ptr() if t.numel() else None
     for a in STATE.args:
         if isinstance(a, torch.Tensor):
             if a is t or (
-                a.data_ptr() == t.data_ptr()
-                and a.shape == t.shape
-                and a.dtype == t.dtype
-                and a.stride() == t.stride()
+                ptr is not None
                 and a.numel() > 0
+                and a.device == t.device
+                and a.untyped_storage().data_ptr() == ptr
             ):
                 return "input" if i == 0 else f"arg{i}"
             i += 1

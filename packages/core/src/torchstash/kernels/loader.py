@@ -339,12 +339,11 @@ def status(*, build: bool = True) -> dict[str, Any]:
 
     With ``build=True`` (and mode not ``off``) a first build is attempted, without warning.
     """
+    mode_error: str | None = None
     try:
         current = mode()
     except ValueError as exc:
         current, mode_error = "invalid", str(exc)
-    else:
-        mode_error = None
     if build and current in ("auto", "require"):
         _ensure_built()
     with _lock:

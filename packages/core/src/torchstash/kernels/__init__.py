@@ -1,0 +1,23 @@
+"""Compiled kernels shared by every torchstash plug-in, with pure-PyTorch fallbacks.
+
+``pack_bits``/``unpack_bits`` store small integer codes densely, ``philox_uniform``
+draws reproducible random numbers; each runs a JIT-built C++/CUDA kernel when one is
+available (see ``status()``) and the reference in ``torchstash.kernels.reference`` if not.
+"""
+
+from __future__ import annotations
+
+from .bitpack import pack_bits, pack_mask, unpack_bits, unpack_mask
+from .loader import available, load, status
+from .philox import philox_uniform
+
+__all__ = [
+    "available",
+    "load",
+    "pack_bits",
+    "pack_mask",
+    "philox_uniform",
+    "status",
+    "unpack_bits",
+    "unpack_mask",
+]

@@ -1,0 +1,50 @@
+"""Public bit-packing entry points: the compiled kernel when it can run, else the reference.
+
+Layout (csrc/README.md): code i lives in byte (i * bits) // 8 at bit shift
+(i * bits) % 8; the packed form is 1-D uint8 of length ceil(numel * bits / 8).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_bits, check_codes, check_numel, check_packed
+from ._dispatch import Impl, use_kernel
+from .reference import pack_bits_ref, unpack_bits_ref
+
+__all__ = ["pack_bits", "pack_mask", "unpack_bits", "unpack_mask"]
+
+
+def pack_bits(codes: torch.Tensor, bits: int, *, impl: Impl = "auto") -> torch.Tensor:
+    """Packs uint8 (or, at bits=1, bool) ``codes`` of any shape/strides into 1-D uint8.
+
+    Only the low ``bits`` bits of each code are kept.
+    """
+    check_bits(bits, op="pack_bits")
+    check_codes(codes, bits, op="pack_bits")
+    if use_kernel(impl, codes.device):
+        return torch.ops.torchstash.pack_bits(codes, bits)
+    return pack_bits_ref(codes, bits)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, numel: int, *, impl: Impl = "auto") -> torch.Tensor:
+    """Unpacks ``numel`` uint8 codes (1-D) from what :func:`pack_bits` returned."""
+    check_bits(bits, op="unpack_bits")
+    check_numel(numel, op="unpack_bits")
+    check_packed(packed, bits, numel, op="unpack_bits")
+    if use_kernel(impl, packed.device):
+        return torch.ops.torchstash.unpack_bits(packed, bits, numel)
+    return unpack_bits_ref(packed, bits, numel)
+
+
+def pack_mask(mask: torch.Tensor, *, impl: Impl = "auto") -> torch.Tensor:
+    """Packs a bool tensor at one bit per element (1-D uint8, ceil(numel / 8) bytes)."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise TypeError(f"pack_mask: mask must be a bool tensor, got {got}; use pack_bits for codes")
+    return pack_bits(mask, 1, impl=impl)
+
+
+def unpack_mask(packed: torch.Tensor, numel: int, *, impl: Impl = "auto") -> torch.Tensor:
+    """The 1-D bool mask of ``numel`` elements packed by :func:`pack_mask`."""
+    return unpack_bits(packed, 1, numel, impl=impl).view(torch.bool)

@@ -1,0 +1,296 @@
+"""The engine against stock PyTorch: exact gradients, exact accounting, awkward control flow."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchstash as ts
+from torchstash.optrack import STATE as OP_STATE
+from torchstash.site import Site
+from torchstash.zoo import zoo
+
+ZOO = {e.name: e for e in zoo("tiny")}
+
+
+def grads_of(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def step(entry_name: str, model: nn.Module, n: int = 4) -> None:
+    e = ZOO[entry_name]
+    x, y = e.batch(n, torch.device("cpu"))
+    model.zero_grad()
+    e.loss(model, x, y).backward()
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("strategy", ["none", "test.clone"])
+def test_lossless_gradients_bit_identical(name: str, strategy: str, toy_strategies: list[str]) -> None:
+    torch.manual_seed(0)
+    model = ZOO[name].build()
+    step(name, model)
+    ref = grads_of(model)
+    with ts.apply(model, strategy, min_bytes=0) as h:
+        step(name, model)
+        assert h.tally.raw_bytes > 0
+        if strategy == "test.clone":
+            assert sum(r.compressed for r in h.tally.rows.values()) > 0
+    got = grads_of(model)
+    assert len(ref) == len(got) and all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+def independent_saved_bytes(model: nn.Module, fn: Any) -> int:
+    """What autograd saves, counted with a bare pair of hooks: activations once each."""
+    params = {p.data_ptr() for p in model.parameters()} | {b.data_ptr() for b in model.buffers()}
+    seen: dict[tuple[Any, ...], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, nn.Parameter) and t.data_ptr() not in params:
+            key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t._version)
+            seen[key] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_measure_raw_bytes_equal_independent_count(name: str) -> None:
+    model = ZOO[name].build()
+    e = ZOO[name]
+    x, y = e.batch(4, torch.device("cpu"))
+    expected = independent_saved_bytes(model, lambda: model(x))  # the loss is outside the model
+    report = ts.measure(model, lambda: e.loss(model, x, y).backward(), repeat=1, warmup=0)
+    assert report.raw_bytes == expected
+    assert report.stored_bytes == expected  # "none" stores everything as is
+    assert report.param_refs > 0
+    assert ts.handle_of(model) is None  # measure's temporary handle is gone
+
+
+class Recorder(ts.BaseCompressor):
+    """Lossless; records every site it was asked to compress."""
+
+    name = "test.recorder"
+    lossless = True
+
+    def __init__(self) -> None:
+        self.sites: list[Site] = []
+
+    def compress(self, x: torch.Tensor, site: Site) -> ts.Packed:
+        self.sites.append(site)
+        return ts.Packed.like(x, self.name, data=x.clone())
+
+    def decompress(self, packed: ts.Packed) -> torch.Tensor:
+        data = packed.tensors["data"]
+        assert isinstance(data, torch.Tensor)
+        return data
+
+
+@pytest.fixture
+def recorder() -> Any:
+    rec = Recorder()
+    ts.REGISTRY.register("test.recorder", lambda: rec, lossless=True, summary="")
+    yield rec
+    ts.REGISTRY.unregister("test.recorder")
+
+
+def test_sites_name_module_op_and_role(recorder: Recorder) -> None:
+    model = ZOO["gpt"].build()
+    with ts.apply(model, "test.recorder", min_bytes=0):
+        step("gpt", model)
+    by = {(s.module, s.op, s.role) for s in recorder.sites}
+    assert ("blocks.0.attn", "matmul") in {(m, o) for m, o, _ in by}  # q @ k.T, functional
+    assert ("blocks.0.attn", "softmax", "output") in by  # softmax saves its output
+    assert ("blocks.1.mlp.1", "gelu", "input") in by
+    assert ("blocks.0.ln1", "layer_norm", "input") in by
+    assert ("blocks.0.mlp.0", "linear", "input") in by
+    gelu = [s for s in recorder.sites if s.op == "gelu"]
+    assert [s.module_index for s in gelu] == [0, 1]  # index among GELU modules
+    assert all(s.tag == "gelu" and s.module_type == "GELU" for s in gelu)
+    softmax = [s for s in recorder.sites if s.op == "softmax"]
+    assert [s.op_index for s in softmax] == [0, 1]  # occurrence in the forward
+
+
+def test_roles_of_a_plain_matmul(recorder: Recorder) -> None:
+    class MM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.w(x)
+            return (h @ h.t().contiguous()).softmax(-1)
+
+    with ts.apply(MM(), "test.recorder", min_bytes=0) as h:
+        h.plan  # noqa: B018
+        model = h._model()
+        assert model is not None
+        model(torch.randn(16, 32)).sum().backward()
+    roles = {(s.op, s.role) for s in recorder.sites}
+    assert {("matmul", "input"), ("matmul", "arg1"), ("softmax", "output")} <= roles
+
+
+def test_tensor_saved_twice_is_stored_once(toy_strategies: list[str]) -> None:
+    class ThreeHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.q(x) * 2 + self.k(x) + self.v(x)
+
+    model = ThreeHeads()
+    x = torch.randn(32, 64)
+    with ts.apply(model, "test.clone", min_bytes=0) as h:
+        model(x).sum().backward()
+    rows = h.tally.rows
+    assert sum(r.saved for r in rows.values()) == 3
+    assert sum(r.shared for r in rows.values()) == 2
+    assert h.tally.raw_bytes == h.tally.stored_bytes == x.numel() * 4
+
+
+def test_shared_module_called_twice(recorder: Recorder) -> None:
+    lin = nn.Linear(16, 16)
+    model = nn.Sequential(lin, nn.GELU(), lin)
+    x = torch.randn(8, 16)
+    model(x).sum().backward()
+    ref = lin.weight.grad.clone()
+    lin.weight.grad = None
+    with ts.apply(model, "test.recorder", min_bytes=0):
+        model(x).sum().backward()
+    assert torch.equal(ref, lin.weight.grad)
+    calls = sorted({s.call for s in recorder.sites if s.module == "0"})
+    assert calls == [0, 1]
+
+
+def test_nested_modules_innermost_wins(recorder: Recorder) -> None:
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.GELU())))
+    with ts.apply(model, "test.recorder", min_bytes=0):
+        model(torch.randn(4, 8)).sum().backward()
+    assert {s.module for s in recorder.sites} == {"0.0", "0.1.0"}
+
+
+class Boom(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("boom")
+
+
+def test_exception_inside_forward_leaves_nothing_behind(toy_strategies: list[str]) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), Boom())
+    h = ts.apply(model, "test.clone", min_bytes=0)
+    with pytest.raises(ValueError, match="boom"):
+        model(torch.randn(4, 8))
+    assert not h.engine.active and OP_STATE.depth == 0
+    before = h.tally.raw_bytes
+    (torch.randn(4, 8, requires_grad=True).exp()).sum().backward()  # outside: untouched
+    assert h.tally.raw_bytes == before
+    model[2] = nn.Identity()
+    model(torch.randn(4, 8)).sum().backward()  # and the model still works
+    h.remove()
+
+
+def test_retain_graph_and_second_backward(toy_strategies: list[str]) -> None:
+    model = ZOO["gpt"].build()
+    e = ZOO["gpt"]
+    x, y = e.batch(2, torch.device("cpu"))
+    loss = e.loss(model, x, y)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    ref = grads_of(model)
+    model.zero_grad()
+    with ts.apply(model, "test.clone", min_bytes=0):
+        loss = e.loss(model, x, y)
+        loss.backward(retain_graph=True)
+        loss.backward()
+    assert all(torch.equal(a, b) for a, b in zip(ref, grads_of(model)))
+
+
+def test_two_forwards_then_one_backward_and_accumulation(toy_strategies: list[str]) -> None:
+    model = ZOO["resnet"].build()
+    e = ZOO["resnet"]
+    (x1, y1), (x2, y2) = e.batch(2, torch.device("cpu")), e.batch(3, torch.device("cpu"))
+    (e.loss(model, x1, y1) + e.loss(model, x2, y2)).backward()
+    ref = grads_of(model)
+    model.zero_grad()
+    with ts.apply(model, "test.clone", min_bytes=0):
+        a = e.loss(model, x1, y1)
+        b = e.loss(model, x2, y2)
+        (a + b).backward()
+    assert all(torch.equal(r, g) for r, g in zip(ref, grads_of(model)))
+    # gradient accumulation: two separate backwards add up
+    model.zero_grad()
+    with ts.apply(model, "test.clone", min_bytes=0):
+        e.loss(model, x1, y1).backward()
+        e.loss(model, x2, y2).backward()
+    assert all(torch.allclose(r, g, atol=1e-6) for r, g in zip(ref, grads_of(model)))
+
+
+@pytest.mark.parametrize("ctx", [torch.no_grad, torch.inference_mode])
+def test_no_work_without_grad(ctx: Any, toy_strategies: list[str]) -> None:
+    model = ZOO["gpt"].build()
+    seen: list[int] = []
+    model.blocks[0].register_forward_hook(lambda m, a, o: seen.append(OP_STATE.depth))
+    with ts.apply(model, "test.clone", min_bytes=0) as h, ctx():
+        x, _ = ZOO["gpt"].batch(2, torch.device("cpu"))
+        model(x)
+    assert seen == [0] and not h.tally.rows and not h.engine.active
+
+
+def test_double_backward_matches_stock() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def gradgrad() -> torch.Tensor:
+        (g,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+        (gg,) = torch.autograd.grad(g.square().sum(), x)
+        return gg
+
+    ref = gradgrad()
+    with ts.apply(model, "none", min_bytes=0):
+        got = gradgrad()
+    assert torch.equal(ref, got)
+
+
+def test_inplace_after_save_is_caught_like_stock() -> None:
+    class Bad(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x.sigmoid()  # saves its output
+            y.mul_(2)
+            return y
+
+    model = nn.Sequential(nn.Linear(8, 8), Bad())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(torch.randn(4, 8)).sum().backward()
+    with ts.apply(model, "none", min_bytes=0), pytest.raises(
+        RuntimeError, match="modified by an inplace operation"
+    ):
+        model(torch.randn(4, 8)).sum().backward()
+
+
+def test_small_and_integer_tensors_stored_as_they_are(toy_strategies: list[str]) -> None:
+    model = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 8))
+    idx = torch.randint(0, 50, (4, 6))
+    with ts.apply(model, "test.clone", min_bytes=1 << 20) as h:
+        model(idx).sum().backward()
+    declined = {k for r in h.tally.rows.values() for k in r.declined}
+    assert any("torch.int64" in k for k in declined)
+    assert any("min_bytes" in k for k in declined)
+    assert sum(r.compressed for r in h.tally.rows.values()) == 0
+
+
+def test_lossy_compressor_shrinks_and_trains(toy_strategies: list[str]) -> None:
+    model = ZOO["vit"].build()
+    e = ZOO["vit"]
+    x, y = e.batch(4, torch.device("cpu"))
+    e.loss(model, x, y).backward()
+    ref = torch.cat([g.flatten() for g in grads_of(model)])
+    model.zero_grad()
+    report = ts.measure(model, lambda: (model.zero_grad(), e.loss(model, x, y).backward()), "test.half", repeat=1, warmup=0, min_bytes=0)
+    got = torch.cat([g.flatten() for g in grads_of(model)])
+    assert report.stored_bytes < 0.6 * report.raw_bytes
+    assert torch.nn.functional.cosine_similarity(ref, got, dim=0) > 0.999
