@@ -1,0 +1,179 @@
+"""apply/remove/stash/measure: in place, exactly undone, clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchstash as ts
+from torchstash.errors import ApplyError
+from torchstash.zoo import zoo
+
+ENTRIES = {e.name: e for e in zoo("tiny")}
+
+
+def hook_counts(model: nn.Module) -> list[tuple[int, int]]:
+    return [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+
+
+def test_apply_in_place_and_remove_restores_exactly(toy_strategies: list[str]) -> None:
+    model = ENTRIES["resnet"].build()
+    keys = list(model.state_dict())
+    before = hook_counts(model)
+    params = [id(p) for p in model.parameters()]
+    h = ts.apply(model, "test.clone")
+    assert list(model.state_dict()) == keys
+    assert [id(p) for p in model.parameters()] == params  # no copy
+    assert ts.handle_of(model) is h
+    ts.remove(model)
+    assert h.removed and ts.handle_of(model) is None
+    assert hook_counts(model) == before
+    with pytest.raises(ApplyError, match="not applied"):
+        ts.remove(model)
+
+
+def test_apply_twice_is_an_error() -> None:
+    model = ENTRIES["gpt"].build()
+    with ts.apply(model.blocks[0], "none"), pytest.raises(ApplyError, match="submodule 'blocks.0'"):
+        ts.apply(model, "none")
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        ((), {}, "give a strategy name"),
+        (("none",), {"policy": [{"strategy": "none"}]}, "not both"),
+        ((), {"policy": [{"strategy": "none"}], "bits": 2}, "inside the policy"),
+        ((3,), {}, "must be a name"),
+    ],
+)
+def test_apply_argument_errors(args: tuple[Any, ...], kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ApplyError, match=message):
+        ts.apply(nn.Linear(2, 2), *args, **kwargs)
+
+
+def test_apply_needs_a_module() -> None:
+    with pytest.raises(ApplyError, match="nn.Module"):
+        ts.apply(lambda x: x, "none")  # type: ignore[arg-type]
+
+
+def test_stash_reaches_functional_code(toy_strategies: list[str]) -> None:
+    w = torch.randn(256, 256, requires_grad=True)
+    x = torch.randn(64, 256)
+
+    def f() -> torch.Tensor:
+        h = F.gelu(x @ w)
+        return (h @ h.t()).softmax(-1).sum()
+
+    f().backward()
+    ref = w.grad.clone()
+    w.grad = None
+    with ts.stash("test.clone") as s:
+        loss = f()
+    loss.backward()
+    assert torch.equal(ref, w.grad)
+    ops = {op for r in s.tally.rows.values() for op in r.ops}
+    assert {"matmul", "gelu", "softmax"} <= ops
+    assert s.tally.stored_bytes == s.tally.raw_bytes > 0
+
+
+def test_stash_applies_only_inside_the_block(toy_strategies: list[str]) -> None:
+    x = torch.randn(512, requires_grad=True)
+    with ts.stash("test.half") as s:
+        a = x.exp()
+    b = x.exp()
+    (a + b).sum().backward()
+    assert sum(r.saved for r in s.tally.rows.values()) == 1
+
+
+class Doubler(nn.Module):
+    def __init__(self, inner: nn.ReLU) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+class FakeRewriter:
+    name = "test.rewrite"
+
+    def rewrite(self, module: nn.Module) -> nn.Module | None:
+        return Doubler(module) if isinstance(module, nn.ReLU) else None
+
+
+@pytest.fixture
+def rewrite_strategy() -> Any:
+    ts.REGISTRY.register("test.rewrite", FakeRewriter, lossless=True, summary="")
+    yield "test.rewrite"
+    ts.REGISTRY.unregister("test.rewrite")
+
+
+def test_rewrites_swap_modules_and_remove_puts_them_back(rewrite_strategy: str) -> None:
+    model = ENTRIES["resnet"].build()
+    originals = {n: m for n, m in model.named_modules() if isinstance(m, nn.ReLU)}
+    keys = list(model.state_dict())
+    h = ts.apply(model, rewrite_strategy)
+    assert len(h.rewrites) == len(originals) > 0
+    assert all(isinstance(model.get_submodule(n), Doubler) for n in originals)
+    assert list(model.state_dict()) == keys
+    x, y = ENTRIES["resnet"].batch(2, torch.device("cpu"))
+    ENTRIES["resnet"].loss(model, x, y).backward()
+    h.remove()
+    assert all(model.get_submodule(n) is m for n, m in originals.items())
+
+
+def test_rewriting_nothing_is_reported(rewrite_strategy: str) -> None:
+    with pytest.raises(ApplyError, match="found no module to rewrite"):
+        ts.apply(nn.Sequential(nn.Linear(2, 2)), rewrite_strategy)
+
+
+def test_stash_refuses_rewriters(rewrite_strategy: str) -> None:
+    with pytest.raises(ApplyError, match="use torchstash.apply"):
+        ts.stash(rewrite_strategy)
+
+
+def test_chain_composes_compressors(toy_strategies: list[str]) -> None:
+    model = ENTRIES["gpt"].build()
+    e = ENTRIES["gpt"]
+    x, y = e.batch(2, torch.device("cpu"))
+    report = ts.measure(model, lambda: e.loss(model, x, y).backward(), "test.clone>test.half", min_bytes=0, repeat=1)
+    assert report.stored_bytes < 0.6 * report.raw_bytes  # clone's payload went through half
+    with pytest.raises(ts.errors.OptionError, match="keyed by part name"):
+        ts.apply(model, "test.clone>test.half", bits=2)
+
+
+def test_measure_report(tmp_path: Path, toy_strategies: list[str]) -> None:
+    e = ENTRIES["vit"]
+    model = e.build()
+    x, y = e.batch(2, torch.device("cpu"))
+    report = ts.measure(model, lambda m: e.loss(m, x, y).backward(), "test.half", repeat=2)
+    assert report.strategy == "test.half" and report.device == "cpu"
+    assert len(report.step_times_s) == 2 and report.step_time_s > 0
+    assert report.cuda_peak_bytes is None
+    assert 1.5 < report.ratio < 2.1
+    d = json.loads(report.to_json())
+    assert d["raw_bytes"] == report.raw_bytes and d["rows"][0]["module"] is not None
+    text = str(report)
+    assert "test.half" in text and "total raw" in text
+    # measuring an applied model measures what is applied
+    with ts.apply(model, "none"):
+        r2 = ts.measure(model, lambda: e.loss(model, x, y).backward(), repeat=1)
+        assert r2.raw_bytes == r2.stored_bytes == report.raw_bytes
+        with pytest.raises(ApplyError, match="already has torchstash applied"):
+            ts.measure(model, lambda: None, "none")
+
+
+def test_measure_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    e = ENTRIES["gpt"]
+    model = e.build()
+    x, y = e.batch(2, torch.device("cpu"))
+    out = ts.measure(model, lambda: e.loss(model, x, y).backward(), repeat=1).plot(tmp_path / "m.png")
+    assert out.stat().st_size > 1000

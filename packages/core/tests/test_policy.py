@@ -1,0 +1,174 @@
+"""Policies: TOML and Mesa's text format, last match wins, errors that name the rule and line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import torchstash as ts
+from torchstash.errors import OptionError, PolicyError, UnknownStrategyError
+from torchstash.policy import Policy, Rule
+from torchstash.site import Site
+from torchstash.zoo import zoo
+
+GPT = next(e for e in zoo("tiny") if e.name == "gpt")
+
+TOML = """
+[[rule]]
+strategy = "test.half"
+
+[[rule]]
+type = "gelu"
+index = [1]
+strategy = "none"
+
+[[rule]]
+op = "softmax"
+strategy = "test.clone"
+"""
+
+
+def compressed_sites(model: nn.Module, policy: object) -> dict[str, set[str]]:
+    seen: dict[str, set[str]] = {}
+    with ts.apply(model, policy=policy, min_bytes=0) as h:  # type: ignore[arg-type]
+        x, y = GPT.batch(2, torch.device("cpu"))
+        GPT.loss(model, x, y).backward()
+    for r in h.tally.rows.values():
+        seen[r.module] = {f"{op}" for op in r.ops} if r.compressed else set()
+    return seen
+
+
+def test_toml_last_match_wins(toy_strategies: list[str]) -> None:
+    policy = Policy.from_toml(TOML, "p.toml")
+    assert [r.source for r in policy.rules] == [
+        "rule 1 (p.toml, line 2)",
+        "rule 2 (p.toml, line 5)",
+        "rule 3 (p.toml, line 10)",
+    ]
+    gelu = lambda i: Site(module=f"blocks.{i}.mlp.1", tag="gelu", module_index=i, op="gelu")  # noqa: E731
+    assert policy.resolve(gelu(0)).strategy == "test.half"  # type: ignore[union-attr]
+    assert policy.resolve(gelu(1)).strategy == "none"  # type: ignore[union-attr]
+    sm = Site(module="blocks.0.attn", tag="selfattention", op="softmax", role="output")
+    assert policy.resolve(sm).strategy == "test.clone"  # type: ignore[union-attr]
+    seen = compressed_sites(GPT.build(), policy)
+    assert seen["blocks.0.mlp.1"] and not seen["blocks.1.mlp.1"]
+
+
+def test_policy_file_and_list_of_dicts(tmp_path: Path, toy_strategies: list[str]) -> None:
+    f = tmp_path / "policy.toml"
+    f.write_text(TOML)
+    a = compressed_sites(GPT.build(), str(f))
+    b = compressed_sites(
+        GPT.build(),
+        [
+            {"strategy": "test.half"},
+            {"type": "gelu", "index": 1, "enable": False},
+            {"op": "softmax", "strategy": "test.clone"},
+        ],
+    )
+    assert a == b
+
+
+def test_module_glob_and_role(toy_strategies: list[str]) -> None:
+    policy = Policy.from_rules(
+        [{"module": "blocks.1.*", "role": "input", "strategy": "test.half"}]
+    )
+    seen = compressed_sites(GPT.build(), policy)
+    assert seen["blocks.1.mlp.1"] and not seen["blocks.0.mlp.1"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[[rule]]\nstrategy = "none"\n\n[[rule]]\ntpye = "gelu"\n', r"rule 2 \(t.toml, line 4\).*'tpye'.*did you mean 'type'"),
+        ('[[rule]]\nop = "sofmax"\n', r"rule 1 \(t.toml, line 1\).*unknown op 'sofmax'"),
+        ('[[rule]]\nindex = 2\n', r"'index' needs 'type'"),
+        ('[[rule]]\ntype = "gelu"\nindex = -1\n', r"index"),
+        ('[[rule]]\nenable = "yes"\n', r"'enable' must be true or false"),
+        ('[rule]\nstrategy = "none"\n', r"\[\[rule\]\]"),
+        ('[[rules]]\nstrategy = "none"\n', r"unknown top-level key"),
+        ("[[rule]\n", r"not valid TOML"),
+        ('[[rule]]\nstrategy = "none"\noptions = {bits = 2}\n', r"takes no options"),
+    ],
+)
+def test_toml_errors_name_the_rule(text: str, message: str) -> None:
+    with pytest.raises(PolicyError, match=message):
+        Policy.from_toml(text, "t.toml")
+
+
+def test_unknown_strategy_and_option_name_the_rule(toy_strategies: list[str]) -> None:
+    model = GPT.build()
+    bad = Policy.from_toml('[[rule]]\nstrategy = "none"\n[[rule]]\nstrategy = "quant.int3"\n', "b.toml")
+    with pytest.raises(UnknownStrategyError, match=r"rule 2 \(b.toml, line 3\)"):
+        ts.apply(model, policy=bad)
+    bad2 = Policy.from_toml('[[rule]]\nstrategy = "offload.cpu"\noptions = {prefetsh = 1}\n', "c.toml")
+    with pytest.raises(OptionError, match=r"rule 1 \(c.toml, line 1\).*prefetch, pin_memory"):
+        ts.apply(model, policy=bad2)
+    assert ts.handle_of(model) is None
+
+
+def test_unknown_type_tag_names_the_rule() -> None:
+    policy = Policy.from_toml('[[rule]]\ntype = "transformerblok"\n', "d.toml")
+    with pytest.raises(PolicyError, match=r"rule 1 \(d.toml, line 1\).*unknown type 'transformerblok'"):
+        ts.apply(GPT.build(), policy=policy)
+    # a class name that exists in the model is fine, and so is a known tag it lacks
+    ts.apply(GPT.build(), policy=[{"type": "SelfAttention"}, {"type": "conv"}]).remove()
+
+
+MESA = """
+on gelu:   # every GELU but the second
+    by_index: all
+    enable: True
+    level: 256
+    ema_decay: 0.9
+    by_index: 1
+    enable: False
+on softmax:
+    by_index: 0
+    enable: True
+on fc:
+    by_index: all
+    enable: False
+"""
+
+
+def test_mesa_format() -> None:
+    rules = Policy.from_mesa(MESA, "policy.txt").rules
+    assert rules[0] == Rule(
+        strategy="quant.mesa",
+        options={"bits": 8, "ema_decay": 0.9},
+        type="gelu",
+        index=None,
+        source="rule from policy.txt, line 3",
+    )
+    assert (rules[1].type, rules[1].index, rules[1].strategy) == ("gelu", frozenset({1}), "none")
+    assert (rules[2].op, rules[2].op_index, rules[2].strategy) == ("softmax", frozenset({0}), "quant.mesa")
+    assert (rules[3].type, rules[3].strategy) == ("linear", "none")  # fc is Mesa's Linear
+
+
+def test_mesa_format_with_another_strategy(toy_strategies: list[str]) -> None:
+    text = "on gelu:\n  by_index: all\n  enable: True\n"
+    policy = Policy.from_mesa(text, "p.txt", strategy="test.half")
+    seen = compressed_sites(GPT.build(), policy)
+    assert seen["blocks.0.mlp.1"] == {"gelu"} and not seen["blocks.0.attn.qkv"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("on gleu:\n  by_index: all\n", r"line 1: unknown layer tag 'gleu'"),
+        ("by_index: all\n", r"line 1: 'by_index' before any 'on <tag>:'"),
+        ("on gelu:\n  enable: True\n", r"line 2: 'enable' must follow a 'by_index:'"),
+        ("on gelu:\n  by_index: one\n", r"line 2: by_index takes"),
+        ("on gelu:\n  by_index: all\n  level: 100\n", r"line 3: level must be a power of two"),
+        ("on gelu:\n  by_index: all\n  ema_decay: 1.5\n", r"line 3: ema_decay"),
+        ("on gelu:\n  by_index: all\n  speed: fast\n", r"line 3: unknown key 'speed'"),
+        ("on gelu:\n  by_index: all\n  enable: maybe\n", r"line 3: enable takes True or False"),
+    ],
+)
+def test_mesa_errors_name_the_line(text: str, message: str) -> None:
+    with pytest.raises(PolicyError, match=message):
+        Policy.from_mesa(text, "m.txt")
