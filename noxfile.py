@@ -33,7 +33,9 @@ def _install(session: nox.Session, *packages: str, extras: str = "") -> None:
 
 
 def _pytest(session: nox.Session, *paths: str) -> None:
-    session.run("python", "-m", "pytest", "-q", "-m", "not slow and not cuda", *paths, *session.posargs)
+    session.run(
+        "python", "-m", "pytest", "-q", "-m", "not slow and not cuda", *paths, *session.posargs
+    )
 
 
 @nox.session

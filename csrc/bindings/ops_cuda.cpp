@@ -3,7 +3,6 @@
 // Validates with the same checks as the CPU bindings, then calls the raw-pointer
 // launchers of csrc/cuda/*.cu on the current stream of the tensor's device.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -22,7 +21,7 @@ at::Tensor pack_bits_cuda(const at::Tensor& codes, std::int64_t bits) {
   const c10::cuda::CUDAGuard guard(codes.device());
   const at::Tensor c = bindings::prepare_codes(codes, bits);
   const std::int64_t n = c.numel();
-  at::Tensor out = at::empty({bitpack::packed_size(n, static_cast<int>(bits))}, c.options().dtype(at::kByte));
+  at::Tensor out = c.new_empty({bitpack::packed_size(n, static_cast<int>(bits))}, c.options().dtype(at::kByte));
   C10_CUDA_CHECK(cuda::launch_pack_bits(static_cast<const std::uint8_t*>(c.const_data_ptr()), n,
                                         static_cast<int>(bits), out.mutable_data_ptr<std::uint8_t>(),
                                         current_stream()));
@@ -32,7 +31,7 @@ at::Tensor pack_bits_cuda(const at::Tensor& codes, std::int64_t bits) {
 at::Tensor unpack_bits_cuda(const at::Tensor& packed, std::int64_t bits, std::int64_t numel) {
   const c10::cuda::CUDAGuard guard(packed.device());
   const at::Tensor p = bindings::prepare_packed(packed, bits, numel);
-  at::Tensor out = at::empty({numel}, p.options());
+  at::Tensor out = p.new_empty({numel});
   C10_CUDA_CHECK(cuda::launch_unpack_bits(p.const_data_ptr<std::uint8_t>(), numel, static_cast<int>(bits),
                                           out.mutable_data_ptr<std::uint8_t>(), current_stream()));
   return out;

@@ -143,7 +143,9 @@ def test_chain_composes_compressors(toy_strategies: list[str]) -> None:
     model = ENTRIES["gpt"].build()
     e = ENTRIES["gpt"]
     x, y = e.batch(2, torch.device("cpu"))
-    report = ts.measure(model, lambda: e.loss(model, x, y).backward(), "test.clone>test.half", min_bytes=0, repeat=1)
+    report = ts.measure(
+        model, lambda: e.loss(model, x, y).backward(), "test.clone>test.half", min_bytes=0, repeat=1
+    )
     assert report.stored_bytes < 0.6 * report.raw_bytes  # clone's payload went through half
     with pytest.raises(ts.errors.OptionError, match="keyed by part name"):
         ts.apply(model, "test.clone>test.half", bits=2)
@@ -175,5 +177,7 @@ def test_measure_plot(tmp_path: Path) -> None:
     e = ENTRIES["gpt"]
     model = e.build()
     x, y = e.batch(2, torch.device("cpu"))
-    out = ts.measure(model, lambda: e.loss(model, x, y).backward(), repeat=1).plot(tmp_path / "m.png")
+    out = ts.measure(model, lambda: e.loss(model, x, y).backward(), repeat=1).plot(
+        tmp_path / "m.png"
+    )
     assert out.stat().st_size > 1000

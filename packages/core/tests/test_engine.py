@@ -29,7 +29,9 @@ def step(entry_name: str, model: nn.Module, n: int = 4) -> None:
 
 @pytest.mark.parametrize("name", sorted(ZOO))
 @pytest.mark.parametrize("strategy", ["none", "test.clone"])
-def test_lossless_gradients_bit_identical(name: str, strategy: str, toy_strategies: list[str]) -> None:
+def test_lossless_gradients_bit_identical(
+    name: str, strategy: str, toy_strategies: list[str]
+) -> None:
     torch.manual_seed(0)
     model = ZOO[name].build()
     step(name, model)
@@ -266,8 +268,9 @@ def test_inplace_after_save_is_caught_like_stock() -> None:
     model = nn.Sequential(nn.Linear(8, 8), Bad())
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         model(torch.randn(4, 8)).sum().backward()
-    with ts.apply(model, "none", min_bytes=0), pytest.raises(
-        RuntimeError, match="modified by an inplace operation"
+    with (
+        ts.apply(model, "none", min_bytes=0),
+        pytest.raises(RuntimeError, match="modified by an inplace operation"),
     ):
         model(torch.randn(4, 8)).sum().backward()
 
@@ -290,7 +293,14 @@ def test_lossy_compressor_shrinks_and_trains(toy_strategies: list[str]) -> None:
     e.loss(model, x, y).backward()
     ref = torch.cat([g.flatten() for g in grads_of(model)])
     model.zero_grad()
-    report = ts.measure(model, lambda: (model.zero_grad(), e.loss(model, x, y).backward()), "test.half", repeat=1, warmup=0, min_bytes=0)
+    report = ts.measure(
+        model,
+        lambda: (model.zero_grad(), e.loss(model, x, y).backward()),
+        "test.half",
+        repeat=1,
+        warmup=0,
+        min_bytes=0,
+    )
     got = torch.cat([g.flatten() for g in grads_of(model)])
     assert report.stored_bytes < 0.6 * report.raw_bytes
     assert torch.nn.functional.cosine_similarity(ref, got, dim=0) > 0.999

@@ -48,7 +48,7 @@ def test_toml_last_match_wins(toy_strategies: list[str]) -> None:
         "rule 2 (p.toml, line 5)",
         "rule 3 (p.toml, line 10)",
     ]
-    gelu = lambda i: Site(module=f"blocks.{i}.mlp.1", tag="gelu", module_index=i, op="gelu")  # noqa: E731
+    gelu = lambda i: Site(module=f"blocks.{i}.mlp.1", tag="gelu", module_index=i, op="gelu")
     assert policy.resolve(gelu(0)).strategy == "test.half"  # type: ignore[union-attr]
     assert policy.resolve(gelu(1)).strategy == "none"  # type: ignore[union-attr]
     sm = Site(module="blocks.0.attn", tag="selfattention", op="softmax", role="output")
@@ -73,9 +73,7 @@ def test_policy_file_and_list_of_dicts(tmp_path: Path, toy_strategies: list[str]
 
 
 def test_module_glob_and_role(toy_strategies: list[str]) -> None:
-    policy = Policy.from_rules(
-        [{"module": "blocks.1.*", "role": "input", "strategy": "test.half"}]
-    )
+    policy = Policy.from_rules([{"module": "blocks.1.*", "role": "input", "strategy": "test.half"}])
     seen = compressed_sites(GPT.build(), policy)
     assert seen["blocks.1.mlp.1"] and not seen["blocks.0.mlp.1"]
 
@@ -83,9 +81,12 @@ def test_module_glob_and_role(toy_strategies: list[str]) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('[[rule]]\nstrategy = "none"\n\n[[rule]]\ntpye = "gelu"\n', r"rule 2 \(t.toml, line 4\).*'tpye'.*did you mean 'type'"),
+        (
+            '[[rule]]\nstrategy = "none"\n\n[[rule]]\ntpye = "gelu"\n',
+            r"rule 2 \(t.toml, line 4\).*'tpye'.*did you mean 'type'",
+        ),
         ('[[rule]]\nop = "sofmax"\n', r"rule 1 \(t.toml, line 1\).*unknown op 'sofmax'"),
-        ('[[rule]]\nindex = 2\n', r"'index' needs 'type'"),
+        ("[[rule]]\nindex = 2\n", r"'index' needs 'type'"),
         ('[[rule]]\ntype = "gelu"\nindex = -1\n', r"index"),
         ('[[rule]]\nenable = "yes"\n', r"'enable' must be true or false"),
         ('[rule]\nstrategy = "none"\n', r"\[\[rule\]\]"),
@@ -101,10 +102,14 @@ def test_toml_errors_name_the_rule(text: str, message: str) -> None:
 
 def test_unknown_strategy_and_option_name_the_rule(toy_strategies: list[str]) -> None:
     model = GPT.build()
-    bad = Policy.from_toml('[[rule]]\nstrategy = "none"\n[[rule]]\nstrategy = "quant.int3"\n', "b.toml")
+    bad = Policy.from_toml(
+        '[[rule]]\nstrategy = "none"\n[[rule]]\nstrategy = "quant.int3"\n', "b.toml"
+    )
     with pytest.raises(UnknownStrategyError, match=r"rule 2 \(b.toml, line 3\)"):
         ts.apply(model, policy=bad)
-    bad2 = Policy.from_toml('[[rule]]\nstrategy = "offload.cpu"\noptions = {prefetsh = 1}\n', "c.toml")
+    bad2 = Policy.from_toml(
+        '[[rule]]\nstrategy = "offload.cpu"\noptions = {prefetsh = 1}\n', "c.toml"
+    )
     with pytest.raises(OptionError, match=r"rule 1 \(c.toml, line 1\).*prefetch, pin_memory"):
         ts.apply(model, policy=bad2)
     assert ts.handle_of(model) is None
@@ -112,7 +117,9 @@ def test_unknown_strategy_and_option_name_the_rule(toy_strategies: list[str]) ->
 
 def test_unknown_type_tag_names_the_rule() -> None:
     policy = Policy.from_toml('[[rule]]\ntype = "transformerblok"\n', "d.toml")
-    with pytest.raises(PolicyError, match=r"rule 1 \(d.toml, line 1\).*unknown type 'transformerblok'"):
+    with pytest.raises(
+        PolicyError, match=r"rule 1 \(d.toml, line 1\).*unknown type 'transformerblok'"
+    ):
         ts.apply(GPT.build(), policy=policy)
     # a class name that exists in the model is fine, and so is a known tag it lacks
     ts.apply(GPT.build(), policy=[{"type": "SelfAttention"}, {"type": "conv"}]).remove()
@@ -145,7 +152,11 @@ def test_mesa_format() -> None:
         source="rule from policy.txt, line 3",
     )
     assert (rules[1].type, rules[1].index, rules[1].strategy) == ("gelu", frozenset({1}), "none")
-    assert (rules[2].op, rules[2].op_index, rules[2].strategy) == ("softmax", frozenset({0}), "quant.mesa")
+    assert (rules[2].op, rules[2].op_index, rules[2].strategy) == (
+        "softmax",
+        frozenset({0}),
+        "quant.mesa",
+    )
     assert (rules[3].type, rules[3].strategy) == ("linear", "none")  # fc is Mesa's Linear
 
 

@@ -56,8 +56,12 @@ def _factory() -> None:
 
 
 def test_lazy_loading_by_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
-    a = plugin_module(monkeypatch, "fake_a", lambda r: r.register("a.x", _factory, lossless=True, summary="x"))
-    b = plugin_module(monkeypatch, "fake_b", lambda r: r.register("b", _factory, lossless=True, summary="b"))
+    a = plugin_module(
+        monkeypatch, "fake_a", lambda r: r.register("a.x", _factory, lossless=True, summary="x")
+    )
+    b = plugin_module(
+        monkeypatch, "fake_b", lambda r: r.register("b", _factory, lossless=True, summary="b")
+    )
     reg = registry_with(
         monkeypatch,
         FakeDist("torchstash-a", "1.0", {"a": "fake_a:register"}),
@@ -72,12 +76,18 @@ def test_lazy_loading_by_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_same_name_from_two_distributions_names_both(monkeypatch: pytest.MonkeyPatch) -> None:
-    plugin_module(monkeypatch, "fake_c", lambda r: r.register("offload.cpu", _factory, lossless=True, summary=""))
+    plugin_module(
+        monkeypatch,
+        "fake_c",
+        lambda r: r.register("offload.cpu", _factory, lossless=True, summary=""),
+    )
     reg = Registry(
         discover=lambda: [],
         builtins=lambda r: r.register("offload.cpu", _factory, lossless=True, summary="core"),
     )
-    reg2 = registry_with(monkeypatch, FakeDist("torchstash-evil", "0.1", {"offload": "fake_c:register"}))
+    reg2 = registry_with(
+        monkeypatch, FakeDist("torchstash-evil", "0.1", {"offload": "fake_c:register"})
+    )
     reg2._builtins = reg._builtins
     with pytest.raises(DuplicateStrategyError) as e:
         reg2.get("offload.cpu")
@@ -101,7 +111,9 @@ def test_broken_plugin_breaks_only_itself(monkeypatch: pytest.MonkeyPatch) -> No
         raise ImportError("libfoo.so: cannot open shared object file")
 
     plugin_module(monkeypatch, "fake_broken", boom)
-    plugin_module(monkeypatch, "fake_ok", lambda r: r.register("ok", _factory, lossless=True, summary=""))
+    plugin_module(
+        monkeypatch, "fake_ok", lambda r: r.register("ok", _factory, lossless=True, summary="")
+    )
     reg = registry_with(
         monkeypatch,
         FakeDist("torchstash-broken", "0.3", {"broken": "fake_broken:register"}),
@@ -118,14 +130,20 @@ def test_broken_plugin_breaks_only_itself(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_missing_module_is_a_load_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    reg = registry_with(monkeypatch, FakeDist("torchstash-gone", "1", {"gone": "no_such_module_xyz:register"}))
+    reg = registry_with(
+        monkeypatch, FakeDist("torchstash-gone", "1", {"gone": "no_such_module_xyz:register"})
+    )
     with pytest.raises(PluginLoadError) as e:
         reg.get("gone.x")
     assert isinstance(e.value.__cause__, ModuleNotFoundError)
 
 
 def test_plugin_must_stay_under_its_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
-    plugin_module(monkeypatch, "fake_e", lambda r: r.register("quant.int8", _factory, lossless=False, summary=""))
+    plugin_module(
+        monkeypatch,
+        "fake_e",
+        lambda r: r.register("quant.int8", _factory, lossless=False, summary=""),
+    )
     reg = registry_with(monkeypatch, FakeDist("torchstash-e", "1", {"e": "fake_e:register"}))
     with pytest.raises(PluginLoadError) as e:
         reg.get("e.x")
@@ -146,7 +164,9 @@ def test_failed_plugin_rolls_back_partial_registration(monkeypatch: pytest.Monke
 
 @pytest.mark.parametrize("value", ["f", "torchstash-f", "*", "other, F"])
 def test_disable_plugins(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
-    calls = plugin_module(monkeypatch, "fake_f", lambda r: r.register("f.x", _factory, lossless=True, summary=""))
+    calls = plugin_module(
+        monkeypatch, "fake_f", lambda r: r.register("f.x", _factory, lossless=True, summary="")
+    )
     reg = registry_with(monkeypatch, FakeDist("torchstash-f", "1", {"f": "fake_f:register"}))
     monkeypatch.setenv("TORCHSTASH_DISABLE_PLUGINS", value)
     with pytest.raises(UnknownStrategyError, match="TORCHSTASH_DISABLE_PLUGINS"):
@@ -156,7 +176,10 @@ def test_disable_plugins(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
 
 
 def test_unknown_name_lists_installed(monkeypatch: pytest.MonkeyPatch) -> None:
-    reg = Registry(discover=lambda: [], builtins=lambda r: r.register("none", _factory, lossless=True, summary=""))
+    reg = Registry(
+        discover=lambda: [],
+        builtins=lambda r: r.register("none", _factory, lossless=True, summary=""),
+    )
     with pytest.raises(UnknownStrategyError) as e:
         reg.get("quant.int3")
     assert "Installed: none" in str(e.value) and "torchstash-quant" in str(e.value)

@@ -1,10 +1,10 @@
 """torchstash: train in less memory by shrinking what autograd saves for backward.
 
-    import torchstash as ts
-    handle = ts.apply(model, "quant.int8")   # in place; handle.remove() undoes it
-    with ts.stash("quant.int8"):             # any code region
-        loss = step(batch)
-    print(ts.measure(model, step))           # per-module saved bytes, before and after
+import torchstash as ts
+handle = ts.apply(model, "quant.int8")   # in place; handle.remove() undoes it
+with ts.stash("quant.int8"):             # any code region
+    loss = step(batch)
+print(ts.measure(model, step))           # per-module saved bytes, before and after
 """
 
 from __future__ import annotations

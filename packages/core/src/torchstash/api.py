@@ -9,7 +9,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -209,7 +208,7 @@ def _install_hooks(model: nn.Module, engine: Engine, handle: Handle) -> None:
         handle.hooks.append(module.register_forward_hook(post, always_call=True))
 
 
-class stash:  # noqa: N801 - used as a context manager, like torch.no_grad
+class stash:
     """Compress what autograd saves inside a ``with`` block: any code, functional ops included.
 
     >>> with torchstash.stash("quant.int8"):
@@ -269,5 +268,3 @@ def strategies() -> list[dict[str, Any]]:
         }
         for s in REGISTRY.strategies()
     ]
-
-

@@ -95,7 +95,9 @@ def _index(value: str, where: str) -> frozenset[int] | None:
     try:
         items = [int(v) for v in value.replace(",", " ").split()]
     except ValueError:
-        raise PolicyError(f"{where}: by_index takes 'all' or indices like '0 2 5', got {value!r}") from None
+        raise PolicyError(
+            f"{where}: by_index takes 'all' or indices like '0 2 5', got {value!r}"
+        ) from None
     if not items or any(i < 0 for i in items):
         raise PolicyError(f"{where}: by_index takes 'all' or indices >= 0, got {value!r}")
     return frozenset(items)

@@ -56,9 +56,7 @@ class CpuOffload(BaseCompressor):
     def compress(self, x: torch.Tensor, site: Site) -> Packed:
         side = self._stream(x.device)
         current = torch.cuda.current_stream(x.device)
-        host = torch.empty(
-            x.shape, dtype=x.dtype, layout=x.layout, pin_memory=self.pin_memory
-        )
+        host = torch.empty(x.shape, dtype=x.dtype, layout=x.layout, pin_memory=self.pin_memory)
         side.wait_stream(current)  # x is complete before the copy starts
         with torch.cuda.stream(side):
             host.copy_(x, non_blocking=self.pin_memory)

@@ -13,7 +13,7 @@ from typing import Union
 import torch
 
 Payload = Union[torch.Tensor, "Packed"]
-Setting = Union[int, float, bool, str, None, tuple[int, ...]]
+Setting = int | float | bool | str | None | tuple[int, ...]
 
 
 @dataclass(eq=False)

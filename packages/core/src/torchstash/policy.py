@@ -17,12 +17,12 @@ Selectors:
 from __future__ import annotations
 
 import fnmatch
-
-import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from . import tags
 from .errors import PolicyError
@@ -221,6 +221,3 @@ def _did_you_mean(word: str, choices: Sequence[str]) -> str:
 
     close = difflib.get_close_matches(word, choices, n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-

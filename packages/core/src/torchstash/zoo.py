@@ -54,7 +54,12 @@ class GPT(nn.Module):
     """A character-level GPT: token and position embeddings, causal blocks, a tied-free head."""
 
     def __init__(
-        self, vocab: int = 128, ctx: int = 64, dim: int = 128, layers: int = 4, heads: int = 4,
+        self,
+        vocab: int = 128,
+        ctx: int = 64,
+        dim: int = 128,
+        layers: int = 4,
+        heads: int = 4,
         sdpa: bool = False,
     ) -> None:
         super().__init__()
@@ -75,8 +80,14 @@ class GPT(nn.Module):
 
 class ViT(nn.Module):
     def __init__(
-        self, image: int = 32, patch: int = 4, dim: int = 128, layers: int = 4, heads: int = 4,
-        classes: int = 10, sdpa: bool = False,
+        self,
+        image: int = 32,
+        patch: int = 4,
+        dim: int = 128,
+        layers: int = 4,
+        heads: int = 4,
+        classes: int = 10,
+        sdpa: bool = False,
     ) -> None:
         super().__init__()
         self.embed = nn.Conv2d(3, dim, patch, patch)
@@ -121,8 +132,10 @@ class ResNet(nn.Module):
     def __init__(self, widths: tuple[int, ...] = (32, 64, 128, 256), classes: int = 10) -> None:
         super().__init__()
         self.stem = nn.Sequential(
-            nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]),
-            nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1),
+            nn.Conv2d(3, widths[0], 3, 1, 1, bias=False),
+            nn.BatchNorm2d(widths[0]),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, 2, 1),
         )
         layers: list[nn.Module] = []
         cin = widths[0]

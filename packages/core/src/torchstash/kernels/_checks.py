@@ -14,9 +14,7 @@ _U64 = 1 << 64
 
 def check_bits(bits: int, *, op: str) -> int:
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
-        raise ValueError(
-            f"{op}: bits={bits!r} is not supported; allowed values are 1, 2, 4, 8"
-        )
+        raise ValueError(f"{op}: bits={bits!r} is not supported; allowed values are 1, 2, 4, 8")
     return bits
 
 

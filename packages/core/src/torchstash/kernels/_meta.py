@@ -14,7 +14,8 @@ _registered = False
 def _pack_bits_fake(codes: torch.Tensor, bits: int) -> torch.Tensor:
     torch._check(bits in (1, 2, 4, 8), lambda: f"bits must be one of 1, 2, 4, 8, got {bits}")
     torch._check(
-        codes.dtype in (torch.uint8, torch.bool), lambda: f"codes must be uint8 or bool, got {codes.dtype}"
+        codes.dtype in (torch.uint8, torch.bool),
+        lambda: f"codes must be uint8 or bool, got {codes.dtype}",
     )
     per = 8 // bits
     return codes.new_empty(((codes.numel() + per - 1) // per,), dtype=torch.uint8)

@@ -27,7 +27,9 @@ def pack_bits(codes: torch.Tensor, bits: int, *, impl: Impl = "auto") -> torch.T
     return pack_bits_ref(codes, bits)
 
 
-def unpack_bits(packed: torch.Tensor, bits: int, numel: int, *, impl: Impl = "auto") -> torch.Tensor:
+def unpack_bits(
+    packed: torch.Tensor, bits: int, numel: int, *, impl: Impl = "auto"
+) -> torch.Tensor:
     """Unpacks ``numel`` uint8 codes (1-D) from what :func:`pack_bits` returned."""
     check_bits(bits, op="unpack_bits")
     check_numel(numel, op="unpack_bits")
@@ -41,7 +43,9 @@ def pack_mask(mask: torch.Tensor, *, impl: Impl = "auto") -> torch.Tensor:
     """Packs a bool tensor at one bit per element (1-D uint8, ceil(numel / 8) bytes)."""
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise TypeError(f"pack_mask: mask must be a bool tensor, got {got}; use pack_bits for codes")
+        raise TypeError(
+            f"pack_mask: mask must be a bool tensor, got {got}; use pack_bits for codes"
+        )
     return pack_bits(mask, 1, impl=impl)
 
 

@@ -37,16 +37,24 @@ def pack_bits_ref(codes: torch.Tensor, bits: int) -> torch.Tensor:
     check_bits(bits, op="pack_bits_ref")
     check_codes(codes, bits, op="pack_bits_ref")
     n = codes.numel()
-    flat = torch.empty(n, dtype=torch.uint8, device=codes.device)
-    flat.view(codes.shape).copy_(codes)  # one copy whatever the strides; bool -> 0/1
     if bits == 8:
-        return flat
-    per = 8 // bits
-    nbytes = packed_size(n, bits)
-    if nbytes * per != n:
-        flat = torch.cat([flat, flat.new_zeros(nbytes * per - n)])
-    fields = (flat.view(nbytes, per) & ((1 << bits) - 1)) << _shifts(bits, codes.device)
-    return fields.sum(dim=1, dtype=torch.uint8)  # disjoint bit fields: sum == or
+        out = torch.empty(n, dtype=torch.uint8, device=codes.device)
+        out.view(codes.shape).copy_(codes)  # one copy whatever the strides
+        return out
+    flat = codes.reshape(-1)  # a view when contiguous
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    per, mask = 8 // bits, (1 << bits) - 1
+    full = n // per  # bytes whose codes are all present
+    shifts = _shifts(bits, codes.device)
+    out = torch.empty(packed_size(n, bits), dtype=torch.uint8, device=codes.device)
+    fields = flat[: full * per].view(full, per) & mask
+    fields <<= shifts
+    torch.sum(fields, dim=1, dtype=torch.uint8, out=out[:full])  # disjoint bit fields: sum == or
+    if full < out.numel():
+        tail = (flat[full * per :] & mask) << shifts[: n - full * per]
+        out[full:] = tail.sum(dtype=torch.uint8)
+    return out
 
 
 def unpack_bits_ref(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
@@ -56,7 +64,8 @@ def unpack_bits_ref(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor
     check_packed(packed, bits, numel, op="unpack_bits_ref")
     if bits == 8:
         return packed.clone(memory_format=torch.contiguous_format)
-    codes = (packed.unsqueeze(1) >> _shifts(bits, packed.device)) & ((1 << bits) - 1)
+    codes = packed.unsqueeze(1) >> _shifts(bits, packed.device)
+    codes &= (1 << bits) - 1
     return codes.view(-1)[:numel]
 
 
@@ -86,7 +95,9 @@ def philox4x32_10(
     return c0, c1, c2, c3
 
 
-def _philox_blocks(first: int, count: int, seed: int, offset: int, device: torch.device) -> torch.Tensor:
+def _philox_blocks(
+    first: int, count: int, seed: int, offset: int, device: torch.device
+) -> torch.Tensor:
     """The (count, 4) int64 output words of blocks [first, first + count)."""
     block = torch.arange(first, first + count, dtype=torch.int64, device=device)
     counter = (

@@ -1,0 +1,210 @@
+"""The ``torchstash`` command: ``list``, ``doctor``, ``bench``, ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ._version import __version__
+
+
+def _console() -> Console:
+    return Console(highlight=False)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """Installed strategies and plug-ins."""
+    from .registry import REGISTRY
+
+    console = _console()
+    strategies = REGISTRY.strategies()
+    plugins = REGISTRY.plugins()
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "strategies": [
+                        {
+                            "name": s.name,
+                            "distribution": s.distribution,
+                            "version": s.version,
+                            "lossless": s.lossless,
+                            "summary": s.summary,
+                            "options": s.options(),
+                        }
+                        for s in strategies
+                    ],
+                    "plugins": [_plugin_dict(p, strategies) for p in plugins],
+                },
+                indent=2,
+            )
+        )
+        return 0
+    t = Table(title=f"torchstash {__version__}: strategies")
+    for col in ("strategy", "from", "lossless", "options", "summary"):
+        t.add_column(col)
+    for s in strategies:
+        t.add_row(
+            s.name,
+            f"{s.distribution} {s.version}".strip(),
+            "yes" if s.lossless else "no",
+            ", ".join(s.options()),
+            s.summary,
+        )
+    console.print(t)
+    p = Table(title="plug-ins (entry point group torchstash.plugins)")
+    for col in ("prefix", "distribution", "version", "status", "strategies"):
+        p.add_column(col)
+    p.add_row("(core)", "torchstash", __version__, "built in", _count(strategies, "torchstash"))
+    for rec in plugins:
+        d = _plugin_dict(rec, strategies)
+        p.add_row(rec.prefix, rec.distribution, rec.version, d["status"], str(d["strategies"]))
+    console.print(p)
+    return 0
+
+
+def _count(strategies: Sequence[Any], dist: str) -> str:
+    return str(sum(1 for s in strategies if s.distribution == dist))
+
+
+def _plugin_dict(rec: Any, strategies: Sequence[Any]) -> dict[str, Any]:
+    status = "loaded" if rec.loaded else "disabled" if rec.disabled else f"FAILED: {rec.error!r}"
+    return {
+        "prefix": rec.prefix,
+        "distribution": rec.distribution,
+        "version": rec.version,
+        "target": rec.target,
+        "status": status,
+        "strategies": int(_count(strategies, rec.distribution)),
+    }
+
+
+def _first_line(cmd: list[str]) -> str:
+    exe = shutil.which(cmd[0])
+    if exe is None:
+        return "not found"
+    try:
+        out = subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{exe}: {e}"
+    lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.strip()]
+    return f"{lines[-1] if cmd[0] == 'nvcc' else lines[0]} ({exe})" if lines else exe
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Environment, kernel build status and plug-in load errors; exit 1 if something is broken."""
+    import torch
+    from torch.utils import cpp_extension
+
+    from . import kernels
+    from .registry import REGISTRY
+
+    console = _console()
+    problems = 0
+    t = Table(title=f"torchstash {__version__} doctor", show_header=False)
+    t.add_column("what")
+    t.add_column("status")
+    t.add_row("python", f"{platform.python_version()} ({sys.executable})")
+    t.add_row("torch", f"{torch.__version__} (CUDA build: {torch.version.cuda or 'no'})")
+    cuda = (
+        f"yes: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+        if torch.cuda.is_available()
+        else "no GPU visible"
+    )
+    t.add_row("CUDA device", cuda)
+    t.add_row("C++ compiler", _first_line([cpp_extension.get_cxx_compiler(), "--version"]))
+    t.add_row(
+        "ninja", "yes" if cpp_extension.is_ninja_available() else "not found (pip install ninja)"
+    )
+    t.add_row("nvcc", _first_line(["nvcc", "--version"]))
+    st = kernels.status(build=not args.no_build)
+    built = st.get("built")
+    kline = (
+        f"built ({st.get('variant')}, {st.get('build_seconds', 0.0):.1f}s) in {st.get('build_dir')}"
+        if built
+        else "using the pure-PyTorch reference"
+    )
+    t.add_row("kernels", f"mode={st.get('mode')}: {kline}")
+    for reason in st.get("reasons") or []:
+        t.add_row("", f"[yellow]{reason}[/yellow]")
+    if st.get("mode") == "require" and not built:
+        problems += 1
+    console.print(t)
+    p = Table(title="plug-ins")
+    for col in ("prefix", "distribution", "status"):
+        p.add_column(col)
+    for rec in REGISTRY.plugins():
+        if rec.error is not None:
+            problems += 1
+            p.add_row(
+                rec.prefix, f"{rec.distribution} {rec.version}", f"[red]FAILED[/red] {rec.error!r}"
+            )
+        else:
+            p.add_row(
+                rec.prefix,
+                f"{rec.distribution} {rec.version}",
+                "disabled" if rec.disabled else "loaded",
+            )
+    console.print(p)
+    for rec in REGISTRY.plugins():
+        if rec.error is not None:
+            console.print(f"[red]{rec.distribution} ({rec.target}) failed to load:[/red]")
+            console.print("".join(traceback.format_exception(rec.error)), markup=False)
+    if args.json:
+        print(json.dumps({"kernels": st, "problems": problems}, indent=2, default=str))
+    return 1 if problems else 0
+
+
+def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    from . import bench
+
+    return int(bench.main(rest) or 0)
+
+
+def cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
+    from . import demo
+
+    return int(demo.main(rest) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="torchstash", description="Train in less memory: shrink what autograd saves."
+    )
+    parser.add_argument("--version", action="version", version=f"torchstash {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("list", help="installed strategies and plug-ins")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p = sub.add_parser("doctor", help="torch, CUDA, compiler, kernels, plug-in errors")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--no-build", action="store_true", help="do not try to build the kernels")
+    sub.add_parser(
+        "bench", help="model zoo x every strategy (see `torchstash bench -h`)", add_help=False
+    )
+    sub.add_parser(
+        "demo",
+        help="train a char-level GPT with each strategy (see `torchstash demo -h`)",
+        add_help=False,
+    )
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        return cmd_bench(args, rest)
+    if args.command == "demo":
+        return cmd_demo(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return cmd_list(args) if args.command == "list" else cmd_doctor(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Compile-only check of the CUDA sources, for CI machines without a GPU or CUDA torch.
+
+The ``.cu`` files use no torch headers, so ``nvcc -c`` alone catches their errors.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from .loader import find_csrc
+
+__all__ = ["nvcc_check"]
+
+
+def nvcc_check(
+    csrc_dir: str | Path | None = None, *, std: str = "c++17", timeout: float = 300.0
+) -> list[tuple[Path, bool, str]]:
+    """Runs ``nvcc -c`` on every ``csrc/cuda/*.cu``: ``[(path, ok, compiler output), ...]``.
+
+    Returns ``[]`` when nvcc is not on PATH; raises FileNotFoundError without sources.
+    """
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return []
+    if csrc_dir is None:
+        found, reason = find_csrc()
+        if found is None:
+            raise FileNotFoundError(reason)
+        root = found
+    else:
+        root = Path(csrc_dir)
+    results: list[tuple[Path, bool, str]] = []
+    with tempfile.TemporaryDirectory(prefix="torchstash-nvcc-") as tmp:
+        for source in sorted((root / "cuda").glob("*.cu")):
+            cmd = [
+                nvcc,
+                "-c",
+                f"-std={std}",
+                "-I",
+                str(root / "include"),
+                str(source),
+                "-o",
+                str(Path(tmp) / f"{source.stem}.o"),
+            ]
+            try:
+                proc = subprocess.run(
+                    cmd, capture_output=True, text=True, timeout=timeout, check=False
+                )
+            except subprocess.TimeoutExpired as exc:
+                results.append((source, False, f"timed out after {timeout}s: {exc}"))
+                continue
+            results.append((source, proc.returncode == 0, (proc.stdout + proc.stderr).strip()))
+    return results
