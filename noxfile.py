@@ -34,7 +34,7 @@ def _install(session: nox.Session, *packages: str, extras: str = "") -> None:
 
 def _pytest(session: nox.Session, *paths: str) -> None:
     session.run(
-        "python", "-m", "pytest", "-q", "-m", "not slow and not cuda", *paths, *session.posargs
+        "python", "-m", "pytest", "-q", "-m", "not slow", *paths, *session.posargs
     )
 
 
