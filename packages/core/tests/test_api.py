@@ -83,6 +83,18 @@ def test_stash_reaches_functional_code(toy_strategies: list[str]) -> None:
     assert s.tally.stored_bytes == s.tally.raw_bytes > 0
 
 
+def test_stash_sees_module_types(toy_strategies: list[str]) -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    x = torch.randn(32, 64)
+    with ts.stash(policy=[{"strategy": "test.clone"}, {"type": "gelu", "strategy": "none"}]) as s:
+        loss = model(x).sum()
+    loss.backward()
+    rows = s.tally.rows
+    assert rows["<GELU>"].saved == 1 and rows["<GELU>"].compressed == 0
+    assert rows["<Linear>"].compressed == 2
+    assert not nn.modules.module._global_forward_hooks  # hooks gone after the block
+
+
 def test_stash_applies_only_inside_the_block(toy_strategies: list[str]) -> None:
     x = torch.randn(512, requires_grad=True)
     with ts.stash("test.half") as s:

@@ -15,6 +15,7 @@ from torch.utils.hooks import RemovableHandle
 from . import tags
 from .engine import DEFAULT_MIN_BYTES, Engine, ModuleInfo, Tally
 from .errors import ApplyError
+from .packed import storage_base
 from .plan import Plan
 from .policy import Policy, Rule, as_policy
 from .registry import REGISTRY
@@ -128,8 +129,8 @@ def apply(
     plan.check_types({n for m in model.modules() for n in tags.type_names(m)})
 
     def params_and_buffers() -> set[int]:
-        ptrs = {p.data_ptr() for p in model.parameters()}
-        ptrs.update(b.data_ptr() for b in model.buffers())
+        ptrs = {storage_base(p) for p in model.parameters()}
+        ptrs.update(storage_base(b) for b in model.buffers())
         return ptrs
 
     engine = Engine(plan.compressor, min_bytes=min_bytes, skip_ptrs=params_and_buffers)
@@ -233,6 +234,8 @@ class stash:
             )
         self.engine = Engine(self.plan.compressor, min_bytes=min_bytes)
         self._exit: Any = None
+        self._hooks: list[RemovableHandle] = []
+        self._infos: weakref.WeakKeyDictionary[nn.Module, ModuleInfo] = weakref.WeakKeyDictionary()
 
     @property
     def tally(self) -> Tally:
@@ -243,7 +246,25 @@ class stash:
             raise ApplyError("this stash block is already active; create a new one")
         self._exit = self.engine.activated()
         self._exit.__enter__()
+        # Modules run inside the block have no qualified name here; their type still lets
+        # policies select by ``type`` and groups the accounting as ``<ClassName>``.
+        self._hooks = [
+            nn.modules.module.register_module_forward_pre_hook(self._enter),
+            nn.modules.module.register_module_forward_hook(self._leave, always_call=True),
+        ]
         return self
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        info = self._infos.get(module)
+        if info is None:
+            name = type(module).__name__
+            info = ModuleInfo(f"<{name}>", tags.tag_of(module), name, -1, tags.type_names(module))
+            self._infos[module] = info
+        self.engine.skip_module_state(module)
+        self.engine.enter_module(info, module)
+
+    def _leave(self, module: nn.Module, args: Any, out: Any) -> None:
+        self.engine.exit_module(module)
 
     def __exit__(
         self,
@@ -251,6 +272,9 @@ class stash:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
         ctx, self._exit = self._exit, None
         ctx.__exit__(exc_type, exc, tb)
 

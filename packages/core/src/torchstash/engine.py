@@ -22,7 +22,7 @@ from .compressor import Compressor
 from .errors import CompressionError
 from .optrack import STATE as OP_STATE
 from .optrack import OpTracker, role_of
-from .packed import Packed, raw_nbytes
+from .packed import Packed, raw_nbytes, storage_base
 from .site import Site
 
 Resolver = Callable[[Site, frozenset[str]], "Compressor | None"]
@@ -246,8 +246,19 @@ class Engine:
             call=frame.call if frame else 0,
         )
 
+    def skip_module_state(self, module: torch.nn.Module) -> None:
+        """Never compress ``module``'s own parameters and buffers (or views of them)."""
+        for p in module.parameters(recurse=False):
+            self._skip.add(storage_base(p))
+        for b in module.buffers(recurse=False):
+            self._skip.add(storage_base(b))
+
     def pack(self, t: torch.Tensor) -> _Saved:
-        if isinstance(t, torch.nn.Parameter) or t.data_ptr() in self._skip:
+        if (
+            isinstance(t, torch.nn.Parameter)
+            or (t.requires_grad and t.is_leaf)  # a trainable tensor, not an activation
+            or storage_base(t) in self._skip  # a parameter or buffer, or a view of one
+        ):
             self.tally.param_refs += 1
             return _Saved(_Entry(t.detach(), None, Site(), t._version, None))
         site = self._site(t)

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .packed import storage_base
+
 # Raw function names that share one canonical op name.
 _CANONICAL = {
     "mm": "matmul",
@@ -128,20 +130,18 @@ class OpTracker(TorchFunctionMode):
             state.op, state.raw, state.args = prev
 
 
-def _base(t: torch.Tensor) -> int:
-    """Address of the tensor's storage (cheap: no storage object is made)."""
-    return t.data_ptr() - t.storage_offset() * t.element_size()
-
-
 def role_of(t: torch.Tensor) -> str:
     """``input`` or ``argN`` when the tensor is (a view of) the op's N-th tensor argument;
     ``output`` for anything the op made (its result, or a copy it took of an argument)."""
     i = 0
-    base = _base(t) if t.numel() else None
+    base = storage_base(t) if t.numel() else None  # the storage's address
     for a in STATE.args:
         if isinstance(a, torch.Tensor):
             if a is t or (
-                base is not None and a.numel() > 0 and a.device == t.device and _base(a) == base
+                base is not None
+                and a.numel() > 0
+                and a.device == t.device
+                and storage_base(a) == base
             ):
                 return "input" if i == 0 else f"arg{i}"
             i += 1

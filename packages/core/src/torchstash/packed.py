@@ -69,3 +69,8 @@ def _short(p: Payload) -> str:
 def raw_nbytes(x: torch.Tensor) -> int:
     """Bytes of the tensor's own elements (not of a larger storage it may view)."""
     return x.numel() * x.element_size()
+
+
+def storage_base(t: torch.Tensor) -> int:
+    """Address of the storage a tensor views (cheap: no storage object is made)."""
+    return t.data_ptr() - t.storage_offset() * t.element_size()
