@@ -33,9 +33,7 @@ def _install(session: nox.Session, *packages: str, extras: str = "") -> None:
 
 
 def _pytest(session: nox.Session, *paths: str) -> None:
-    session.run(
-        "python", "-m", "pytest", "-q", "-m", "not slow", *paths, *session.posargs
-    )
+    session.run("python", "-m", "pytest", "-q", "-m", "not slow", *paths, *session.posargs)
 
 
 @nox.session
@@ -71,7 +69,9 @@ def kernels(session: nox.Session) -> None:
     """CPU build and parity, the speed check against the reference, nvcc -c on every .cu."""
     _install(session, "core")
     _pytest(session, "packages/core/tests/test_kernels.py")
-    session.run("python", "-m", "torchstash.kernels.bench", "--mib", "64", "--check", "5")
+    session.run(
+        "python", "-m", "torchstash.kernels.bench", "--mib", "64", "--threads", "1", "--check", "5"
+    )
     if shutil.which("nvcc"):
         session.run("python", "-m", "torchstash.kernels.nvcc_check")
     else:

@@ -9,7 +9,13 @@
 // range would cost a device synchronisation on CUDA.
 #pragma once
 
+#include <cstring>
+
 #include "torchstash/common.h"
+
+#if !defined(__CUDA_ARCH__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "torchstash's bitpack fast paths assume a little-endian host"
+#endif
 
 namespace torchstash {
 namespace bitpack {
@@ -40,25 +46,47 @@ TS_HD std::uint8_t unpack_code(const std::uint8_t* packed, index_t i, int bits) 
   return static_cast<std::uint8_t>((packed[i / per] >> shift) & code_mask(bits));
 }
 
-// Fast paths for a full byte (all 8 / BITS codes present). Byte loads only, so
-// they are safe on unaligned pointers on the GPU; g++ merges them into one load.
+// Little-endian load/store of a T at any byte address: a single (unaligned) move on
+// the host, byte by byte on the device, where unaligned wide accesses fault.
+template <typename T>
+TS_HD T load_le(const std::uint8_t* p) {
+#if defined(__CUDA_ARCH__)
+  T v = 0;
+  for (unsigned k = 0; k < sizeof(T); ++k) v = static_cast<T>(v | (static_cast<T>(p[k]) << (8 * k)));
+  return v;
+#else
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+#endif
+}
+
+template <typename T>
+TS_HD void store_le(std::uint8_t* p, T v) {
+#if defined(__CUDA_ARCH__)
+  for (unsigned k = 0; k < sizeof(T); ++k) p[k] = static_cast<std::uint8_t>(v >> (8 * k));
+#else
+  std::memcpy(p, &v, sizeof(T));
+#endif
+}
+
+// Fast paths for a full byte (all 8 / BITS codes present), SWAR on one word; they
+// agree with pack_byte / unpack_code (tests/test_kernels_headers.py checks every byte).
 template <int BITS>
 TS_HD std::uint8_t pack_full(const std::uint8_t* c);
 
 template <>
 TS_HD std::uint8_t pack_full<1>(const std::uint8_t* c) {
-  std::uint64_t x = 0;
-  for (int k = 0; k < 8; ++k) x |= static_cast<std::uint64_t>(c[k]) << (8 * k);
   // Byte k's low bit moves to bit 56 + k; the partial products never overlap.
-  return static_cast<std::uint8_t>(((x & 0x0101010101010101ull) * 0x0102040810204080ull) >> 56);
+  const std::uint64_t x = load_le<std::uint64_t>(c) & 0x0101010101010101ull;
+  return static_cast<std::uint8_t>((x * 0x0102040810204080ull) >> 56);
 }
 
 template <>
 TS_HD std::uint8_t pack_full<2>(const std::uint8_t* c) {
-  std::uint32_t x = 0;
-  for (int k = 0; k < 4; ++k) x |= static_cast<std::uint32_t>(c[k]) << (8 * k);
   // Byte k's two low bits move to bits 24 + 2k; the partial products never overlap.
-  return static_cast<std::uint8_t>(((x & 0x03030303u) * 0x01041040u) >> 24);
+  const std::uint32_t x = load_le<std::uint32_t>(c) & 0x03030303u;
+  return static_cast<std::uint8_t>((x * 0x01041040u) >> 24);
 }
 
 template <>
@@ -79,21 +107,18 @@ template <>
 TS_HD void unpack_full<1>(std::uint8_t b, std::uint8_t* out) {
   // Replicate b into every byte, keep bit k in byte k, then turn "non-zero" into 1.
   const std::uint64_t x = (static_cast<std::uint64_t>(b) * 0x0101010101010101ull) & 0x8040201008040201ull;
-  const std::uint64_t y = ((x + 0x7F7F7F7F7F7F7F7Full) >> 7) & 0x0101010101010101ull;
-  for (int k = 0; k < 8; ++k) out[k] = static_cast<std::uint8_t>(y >> (8 * k));
+  store_le<std::uint64_t>(out, ((x + 0x7F7F7F7F7F7F7F7Full) >> 7) & 0x0101010101010101ull);
 }
 
 template <>
 TS_HD void unpack_full<2>(std::uint8_t b, std::uint8_t* out) {
   const std::uint32_t v = b;
-  const std::uint32_t y = (v | (v << 6) | (v << 12) | (v << 18)) & 0x03030303u;
-  for (int k = 0; k < 4; ++k) out[k] = static_cast<std::uint8_t>(y >> (8 * k));
+  store_le<std::uint32_t>(out, (v | (v << 6) | (v << 12) | (v << 18)) & 0x03030303u);
 }
 
 template <>
 TS_HD void unpack_full<4>(std::uint8_t b, std::uint8_t* out) {
-  out[0] = static_cast<std::uint8_t>(b & 0x0Fu);
-  out[1] = static_cast<std::uint8_t>(b >> 4);
+  store_le<std::uint16_t>(out, static_cast<std::uint16_t>((b & 0x0Fu) | ((b & 0xF0u) << 4)));
 }
 
 template <>

@@ -7,11 +7,13 @@ available (see ``status()``) and the reference in ``torchstash.kernels.reference
 
 from __future__ import annotations
 
+from ._dispatch import Impl
 from .bitpack import pack_bits, pack_mask, unpack_bits, unpack_mask
 from .loader import available, load, status
 from .philox import philox_uniform
 
 __all__ = [
+    "Impl",
     "available",
     "load",
     "pack_bits",

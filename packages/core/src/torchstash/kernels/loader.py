@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import shutil
 import sys
 import threading
@@ -162,13 +163,20 @@ def digest(root: Path, variant: str) -> str:
         sys.implementation.cache_tag,
         sys.platform,
         repr(_flags()),
-        os.environ.get("CXX", ""),
+        _compiler(),
     )
     h.update("\0".join(meta).encode())
     return h.hexdigest()
 
 
-def _guards(root: Path | None, csrc_reason: str | None) -> list[str]:
+def _compiler() -> str:
+    """The C++ compiler cpp_extension will run (``$CXX`` or ``c++``)."""
+    from torch.utils import cpp_extension
+
+    return str(cpp_extension.get_cxx_compiler())
+
+
+def _guards(csrc_reason: str | None) -> list[str]:
     """Why a build cannot even start (empty when it can)."""
     from torch.utils import cpp_extension
 
@@ -177,8 +185,8 @@ def _guards(root: Path | None, csrc_reason: str | None) -> list[str]:
         reasons.append("Windows builds are not supported (the kernels use g++/clang flags)")
     if not cpp_extension.is_ninja_available():
         reasons.append("ninja is not installed (pip install ninja)")
-    compiler = cpp_extension.get_cxx_compiler()
-    if shutil.which(compiler) is None:
+    compiler = _compiler()
+    if shutil.which((shlex.split(compiler) or [""])[0]) is None:
         reasons.append(f"no C++ compiler: {compiler!r} is not on PATH (install g++ or set CXX)")
     cache = cache_root()
     try:
@@ -197,7 +205,7 @@ def _build() -> _Outcome:
     root, csrc_reason = find_csrc()
     out.csrc_dir = None if root is None else str(root)
     out.variant = _variant(out.notes)
-    out.reasons = _guards(root, csrc_reason)
+    out.reasons = _guards(csrc_reason)
     if out.reasons or root is None:
         return out
     out.digest = digest(root, out.variant)

@@ -1,18 +1,22 @@
 """Compile-only check of the CUDA sources, for CI machines without a GPU or CUDA torch.
 
 The ``.cu`` files use no torch headers, so ``nvcc -c`` alone catches their errors.
+``python -m torchstash.kernels.nvcc_check [CSRC_DIR]`` exits non-zero on any failure.
 """
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import subprocess
+import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from .loader import find_csrc
 
-__all__ = ["nvcc_check"]
+__all__ = ["main", "nvcc_check"]
 
 
 def nvcc_check(
@@ -54,3 +58,27 @@ def nvcc_check(
                 continue
             results.append((source, proc.returncode == 0, (proc.stdout + proc.stderr).strip()))
     return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m torchstash.kernels.nvcc_check", description=__doc__
+    )
+    parser.add_argument("csrc_dir", nargs="?", default=None, help="default: the loader's csrc/")
+    args = parser.parse_args(argv)
+    if shutil.which("nvcc") is None:
+        print("nvcc not on PATH: nothing checked")
+        return 0
+    results = nvcc_check(args.csrc_dir)
+    for path, ok, output in results:
+        print(f"{'ok  ' if ok else 'FAIL'} {path}")
+        if output:
+            print(output)
+    if not results:
+        print("no .cu files found")
+        return 1
+    return 0 if all(ok for _, ok, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
