@@ -166,15 +166,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
-    from . import bench
+    from .bench import main as bench_main
 
-    return int(bench.main(rest) or 0)
+    return int(bench_main(rest) or 0)
 
 
 def cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
-    from . import demo
+    from .demo import main as demo_main
 
-    return int(demo.main(rest) or 0)
+    return int(demo_main(rest) or 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
