@@ -281,14 +281,4 @@ class stash:
 
 def strategies() -> list[dict[str, Any]]:
     """Installed strategies: name, distribution, version, lossless, summary, options."""
-    return [
-        {
-            "name": s.name,
-            "distribution": s.distribution,
-            "version": s.version,
-            "lossless": s.lossless,
-            "summary": s.summary,
-            "options": s.options(),
-        }
-        for s in REGISTRY.strategies()
-    ]
+    return [s.describe() for s in REGISTRY.strategies()]

@@ -33,17 +33,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(
             json.dumps(
                 {
-                    "strategies": [
-                        {
-                            "name": s.name,
-                            "distribution": s.distribution,
-                            "version": s.version,
-                            "lossless": s.lossless,
-                            "summary": s.summary,
-                            "options": s.options(),
-                        }
-                        for s in strategies
-                    ],
+                    "strategies": [s.describe() for s in strategies],
                     "plugins": [_plugin_dict(p, strategies) for p in plugins],
                 },
                 indent=2,

@@ -48,6 +48,17 @@ class Strategy:
         params = inspect.signature(self.factory).parameters.values()
         return [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
+    def describe(self) -> dict[str, Any]:
+        """The row ``torchstash.strategies()`` and ``torchstash list --json`` show."""
+        return {
+            "name": self.name,
+            "distribution": self.distribution,
+            "version": self.version,
+            "lossless": self.lossless,
+            "summary": self.summary,
+            "options": self.options(),
+        }
+
     def create(self, **options: Any) -> Any:
         """Build the strategy's object; an unknown or missing option is an :class:`OptionError`."""
         sig = inspect.signature(self.factory)
