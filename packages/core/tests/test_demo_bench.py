@@ -220,6 +220,7 @@ def test_cpu_threads() -> None:
 def test_bench_strategy_names() -> None:
     assert bench.split_names(" a, b,,a ") == ["a", "b", "a"]
     assert "none" not in bench.strategy_names(None)
+    assert "none" in bench.strategy_names(None, keep_none=True)
     assert "offload.cpu" in bench.strategy_names(None)
     assert bench.strategy_names(["none", "x", "x"]) == ["x"]
     assert bench.strategy_names(["none", "x"], keep_none=True) == ["none", "x"]

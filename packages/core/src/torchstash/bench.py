@@ -2,8 +2,9 @@
 
 Each (model, strategy) pair gets a fresh model built from the same seed, so a strategy that
 rewrites modules never leaks into another's run, and is measured by :func:`torchstash.measure`
-(one warm-up step, then ``repeat`` timed steps). Stock is the ``none`` strategy: the identity,
-which counts what autograd saves without changing it.
+(one warm-up step, then ``repeat`` timed steps). Stock's bytes are counted through the ``none``
+strategy (the identity); stock's time is taken with no torchstash installed at all, so every
+ratio includes torchstash's own overhead. ``none`` also gets a row of its own: that overhead.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import json
 import math
 import os
+import statistics
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -32,7 +34,7 @@ from rich.progress import (
 from rich.table import Table
 
 from .api import strategies as installed_strategies
-from .measure import Report, measure
+from .measure import Report, measure, time_steps
 from .zoo import ZooEntry, zoo
 
 MB = 1 << 20
@@ -52,11 +54,11 @@ def split_names(text: str) -> list[str]:
 def strategy_names(requested: Iterable[str] | None, *, keep_none: bool = False) -> list[str]:
     """The strategies to run: as requested (deduplicated), or every installed one.
 
-    ``none`` is stock itself, so it is dropped unless ``keep_none`` (the demo keeps it when
-    asked, as a check that the identity trains exactly like stock).
+    ``none`` stores what stock stores, so it is dropped unless ``keep_none``: the bench keeps
+    it (its time is torchstash's own overhead); the demo keeps it only when asked for by name.
     """
     names = [s["name"] for s in installed_strategies()] if requested is None else list(requested)
-    drop_none = requested is None or not keep_none
+    drop_none = not keep_none
     out: list[str] = []
     for n in names:
         if n not in out and not (n == "none" and drop_none):
@@ -228,8 +230,13 @@ def measure_one(
     try:
         torch.manual_seed(SEED)
         model = entry.build().to(device)
-        report = measure(model, _step_fn(entry, model, device), strategy, warmup=1, repeat=repeat)
+        step = _step_fn(entry, model, device)
+        report = measure(model, step, strategy, warmup=1, repeat=1 if label == STOCK else repeat)
         _fill(row, report)
+        if label == STOCK:  # bytes through the identity; time with no torchstash at all
+            times = time_steps(step, device, warmup=1, repeat=repeat)
+            row["step_times_ms"] = [t * 1e3 for t in times]
+            row["step_ms"] = statistics.median(times) * 1e3
     except Exception as e:  # one strategy's failure must not stop the others
         row["error"] = error_text(e)
     finally:
@@ -271,7 +278,7 @@ def run_bench(
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
     dev = torch.device(device) if device is not None else default_device()
-    names = strategy_names(strategies)
+    names = strategy_names(strategies, keep_none=True)
     entries = zoo(scale)
     console = console or Console()
     n_threads = cpu_threads(threads) if dev.type == "cpu" else torch.get_num_threads()

@@ -450,7 +450,7 @@ def run_demo(
     steps = min(steps, QUICK_STEPS) if quick else steps
     cfg = replace(cfg, tail=min(cfg.tail, steps))
     dev = torch.device(device) if device is not None else default_device()
-    names = strategy_names(strategies, keep_none=True)
+    names = strategy_names(strategies, keep_none=strategies is not None)
     threads = cpu_threads(threads) if dev.type == "cpu" else torch.get_num_threads()
     with num_threads(threads):
         corpus = load_corpus(cfg.corpus_bytes, cfg.val_fraction)

@@ -41,6 +41,7 @@ class ModuleInfo:
 
 
 _NO_MODULE = ModuleInfo("", "", "", -1, frozenset())
+_PARAMETER = Site(role="parameter")
 
 
 @dataclass
@@ -156,9 +157,8 @@ class Engine:
         self._skip_ptrs = skip_ptrs
         self._skip: set[int] = set()
         self._tls = _ThreadState()
-        self._live: weakref.WeakValueDictionary[tuple[Any, ...], _Entry] = (
-            weakref.WeakValueDictionary()
-        )
+        self._live: dict[tuple[Any, ...], weakref.ref[_Entry]] = {}
+        self._live_limit = 1024
 
     # -- scoping ------------------------------------------------------------------------------
 
@@ -260,7 +260,7 @@ class Engine:
             or storage_base(t) in self._skip  # a parameter or buffer, or a view of one
         ):
             self.tally.param_refs += 1
-            return _Saved(_Entry(t.detach(), None, Site(), t._version, None))
+            return _Saved(_Entry(t.detach(), None, _PARAMETER, t._version, None))
         site = self._site(t)
         row = self.tally.row(site)
         row.saved += 1
@@ -268,14 +268,24 @@ class Engine:
         key = None
         if self.dedupe and t.numel() > 0:
             key = (t.data_ptr(), t.dtype, t.device, tuple(t.shape), t.stride(), t._version)
-            hit = self._live.get(key)
+            ref = self._live.get(key)
+            hit = ref() if ref is not None else None
             if hit is not None and hit.source() is not None:
                 row.shared += 1
                 return _Saved(hit)
         entry = self._store(t, site, row)
         if key is not None:
-            self._live[key] = entry
+            self._remember(key, entry)
         return _Saved(entry)
+
+    def _remember(self, key: tuple[Any, ...], entry: _Entry) -> None:
+        """Index a stored entry for deduplication (weakly: the graph owns the entry)."""
+        live = self._live
+        live[key] = weakref.ref(entry)
+        if len(live) > self._live_limit:
+            for k in [k for k, r in live.items() if r() is None]:
+                del live[k]
+            self._live_limit = max(1024, 2 * len(live))
 
     def _store(self, t: torch.Tensor, site: Site, row: Row) -> _Entry:
         nbytes = raw_nbytes(t)

@@ -179,6 +179,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def time_steps(
+    run: Callable[[], Any], device: torch.device, warmup: int = 1, repeat: int = 3
+) -> list[float]:
+    """Seconds per call of ``run`` (synchronized on CUDA), after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(repeat):
+        _sync(device)
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def measure(
     model: nn.Module,
     step: Callable[..., Any],
@@ -226,11 +242,7 @@ def measure(
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         rows = [ModuleRow.of(r) for r in handle.tally.rows.values()]
         param_refs = handle.tally.param_refs
-        for _ in range(repeat - 1):
-            t0 = time.perf_counter()
-            run()
-            _sync(device)
-            times.append(time.perf_counter() - t0)
+        times += time_steps(run, device, warmup=0, repeat=repeat - 1)
     finally:
         if temporary:
             handle.remove()

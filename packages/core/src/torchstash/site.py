@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Site:
+    """Treat as immutable (``dataclasses.replace`` for a variant); not frozen because a frozen
+    dataclass costs five times as much to build, and one is built for every saved tensor."""
+
     #: qualified name of the innermost module running (``""`` for the root or outside a model)
     module: str = ""
     #: type tag of that module (see :mod:`torchstash.tags`), ``""`` outside a model
