@@ -265,15 +265,19 @@ class Engine:
         row = self.tally.row(site)
         row.saved += 1
         row.ops[site.op or "?"] += 1
+        nbytes = raw_nbytes(t)
+        compressor, reason = self._choose(t, site, nbytes)
         key = None
         if self.dedupe and t.numel() > 0:
             key = (t.data_ptr(), t.dtype, t.device, tuple(t.shape), t.stride(), t._version)
             ref = self._live.get(key)
             hit = ref() if ref is not None else None
-            if hit is not None and hit.source() is not None:
+            # Shared only when stored for the same compressor: an op-specific code (a ReLU's
+            # sign mask) must not stand in for the tensor another op saved.
+            if hit is not None and hit.source() is not None and hit.compressor is compressor:
                 row.shared += 1
                 return _Saved(hit)
-        entry = self._store(t, site, row)
+        entry = self._store(t, site, row, nbytes, compressor, reason)
         if key is not None:
             self._remember(key, entry)
         return _Saved(entry)
@@ -287,36 +291,44 @@ class Engine:
                 del live[k]
             self._live_limit = max(1024, 2 * len(live))
 
-    def _store(self, t: torch.Tensor, site: Site, row: Row) -> _Entry:
-        nbytes = raw_nbytes(t)
+    def _choose(self, t: torch.Tensor, site: Site, nbytes: int) -> tuple[Compressor | None, str]:
+        """The compressor that will take ``t``, or None and why not."""
+        if nbytes < self.min_bytes:
+            return None, f"smaller than min_bytes={self.min_bytes}"
+        compressor = self.resolve(site, self._types(site))
+        if compressor is None:
+            return None, ""
+        reasons = compressor.unsupported(t, site)
+        if reasons:
+            return None, "; ".join(reasons)
+        return compressor, ""
+
+    def _store(
+        self,
+        t: torch.Tensor,
+        site: Site,
+        row: Row,
+        nbytes: int,
+        compressor: Compressor | None,
+        reason: str,
+    ) -> _Entry:
         row.raw_bytes += nbytes
-        compressor = None
-        reason = ""
-        if not t.is_floating_point():
-            reason = f"{t.dtype} tensors are stored as they are"
-        elif nbytes < self.min_bytes:
-            reason = f"smaller than min_bytes={self.min_bytes}"
-        else:
-            compressor = self.resolve(site, self._types(site))
         value: torch.Tensor | Packed = t.detach()
         if compressor is not None:
-            reasons = compressor.unsupported(t, site)
-            if reasons:
-                reason = "; ".join(reasons)
+            try:
+                out = compressor.compress(t.detach(), site)
+            except Exception as e:
+                raise CompressionError(
+                    f"{compressor.name} failed to compress the {tuple(t.shape)} {t.dtype} "
+                    f"tensor ({site.describe()}): {e}. Exclude this site with a policy rule "
+                    f"(strategy = 'none') or report the bug."
+                ) from e
+            if isinstance(out, Packed):
+                value = out
+                row.compressed += 1
             else:
-                try:
-                    out = compressor.compress(t.detach(), site)
-                except Exception as e:
-                    raise CompressionError(
-                        f"{compressor.name} failed to compress the {tuple(t.shape)} {t.dtype} "
-                        f"tensor ({site.describe()}): {e}. Exclude this site with a policy rule "
-                        f"(strategy = 'none') or report the bug."
-                    ) from e
-                if isinstance(out, Packed):
-                    value = out
-                    row.compressed += 1
-                else:
-                    reason = f"{compressor.name} declined it"
+                reason = f"{compressor.name} declined it"
+                compressor = None
         if reason:
             row.declined[reason] += 1
         if isinstance(value, Packed):
