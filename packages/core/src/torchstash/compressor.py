@@ -17,7 +17,9 @@ class Compressor(Protocol):
 
     ``compress`` may decline a tensor by returning it unchanged; ``unsupported`` says why in
     advance (an empty list means it will compress). Stateful compressors key their state by
-    ``site.key``.
+    ``site.key``. An op-aware compressor that stores a tensor differently depending on the op
+    (a ReLU's sign mask instead of its values) also defines ``variant(x, site) -> str``, so
+    the engine shares one stored copy of a tensor only between saves of the same variant.
     """
 
     name: str

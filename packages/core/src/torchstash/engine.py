@@ -95,7 +95,7 @@ class Tally:
 class _Entry:
     """One stored tensor, shared by every op that saved it."""
 
-    __slots__ = ("__weakref__", "compressor", "site", "source", "value", "version")
+    __slots__ = ("__weakref__", "compressor", "site", "source", "value", "variant", "version")
 
     def __init__(
         self,
@@ -104,9 +104,11 @@ class _Entry:
         site: Site,
         version: int,
         source: torch.Tensor | None,
+        variant: str = "",
     ) -> None:
         self.value = value
         self.compressor = compressor
+        self.variant = variant
         self.site = site
         self.version = version
         self.source: Callable[[], torch.Tensor | None] = (
@@ -267,17 +269,24 @@ class Engine:
         row.ops[site.op or "?"] += 1
         nbytes = raw_nbytes(t)
         compressor, reason = self._choose(t, site, nbytes)
+        variant = _variant(compressor, t, site)
         key = None
         if self.dedupe and t.numel() > 0:
             key = (t.data_ptr(), t.dtype, t.device, tuple(t.shape), t.stride(), t._version)
             ref = self._live.get(key)
             hit = ref() if ref is not None else None
-            # Shared only when stored for the same compressor: an op-specific code (a ReLU's
-            # sign mask) must not stand in for the tensor another op saved.
-            if hit is not None and hit.source() is not None and hit.compressor is compressor:
+            # Shared only when stored by the same compressor in the same way: an op-specific
+            # code (a ReLU's sign mask) must not stand in for the tensor another op saved.
+            if (
+                hit is not None
+                and hit.source() is not None
+                and hit.compressor is compressor
+                and hit.variant == variant
+            ):
                 row.shared += 1
                 return _Saved(hit)
         entry = self._store(t, site, row, nbytes, compressor, reason)
+        entry.variant = variant
         if key is not None:
             self._remember(key, entry)
         return _Saved(entry)
@@ -366,6 +375,13 @@ class Engine:
                 f"{entry.compressor.name} failed to restore the {tuple(value.shape)} "
                 f"{value.dtype} tensor ({entry.site.describe()}): {e}"
             ) from e
+
+
+def _variant(compressor: Compressor | None, t: torch.Tensor, site: Site) -> str:
+    """How ``compressor`` stores ``t`` at ``site`` (optional ``variant`` method): entries are
+    shared between saves of one tensor only when this agrees."""
+    variant = getattr(compressor, "variant", None)
+    return variant(t, site) if variant is not None else ""
 
 
 def _leave_tracker() -> None:
