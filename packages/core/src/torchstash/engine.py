@@ -130,7 +130,6 @@ class _Frame:
     info: ModuleInfo
     call: int
     owner: object
-    ordinal: int = 0
     exit: contextlib.ExitStack | None = None
 
 
@@ -141,6 +140,7 @@ class _ThreadState(threading.local):
         self.calls: Counter[int] = Counter()
         self.op_counts: Counter[str] = Counter()
         self.last_call = -1
+        self.ordinal = 0
 
 
 class Engine:
@@ -224,16 +224,17 @@ class Engine:
         tls = self._tls
         frame = tls.frames[-1] if tls.frames else None
         info = frame.info if frame else _NO_MODULE
-        ordinal = 0
-        if frame is not None:
-            ordinal = frame.ordinal
-            frame.ordinal += 1
         op, func = OP_STATE.op, OP_STATE.raw
         op_index = -1
-        if op:
-            if tls.last_call != OP_STATE.call_id:  # first tensor this op call saves
-                tls.last_call = OP_STATE.call_id
+        if tls.last_call != OP_STATE.call_id:  # the first tensor this op call saves
+            tls.last_call = OP_STATE.call_id
+            tls.ordinal = 0
+            if op:
                 tls.op_counts[op] += 1
+        else:
+            tls.ordinal += 1
+        ordinal = tls.ordinal
+        if op:
             op_index = tls.op_counts[op] - 1
         return Site(
             module=info.qualname,
@@ -256,9 +257,11 @@ class Engine:
             self._skip.add(storage_base(b))
 
     def pack(self, t: torch.Tensor) -> _Saved:
+        base = t._base
         if (
             isinstance(t, torch.nn.Parameter)
             or (t.requires_grad and t.is_leaf)  # a trainable tensor, not an activation
+            or (base is not None and base.requires_grad and base.is_leaf)  # a view of one
             or storage_base(t) in self._skip  # a parameter or buffer, or a view of one
         ):
             self.tally.param_refs += 1

@@ -26,7 +26,7 @@ class Site:
     op_index: int = -1
     #: the tensor's role in that op: ``input``, ``arg1``, ``arg2``... or ``output``
     role: str = ""
-    #: ordinal of this tensor among those saved by this module call
+    #: ordinal of this tensor among those saved by the same op call
     ordinal: int = 0
     #: which call of the module in this step (a shared module is called several times)
     call: int = 0
@@ -34,7 +34,7 @@ class Site:
     @property
     def key(self) -> str:
         """A stable identity for state kept per site (running estimates, allocations)."""
-        return f"{self.module}#{self.call}:{self.op}:{self.ordinal}"
+        return f"{self.module}#{self.call}:{self.op}{self.op_index}:{self.role}:{self.ordinal}"
 
     def describe(self) -> str:
         where = self.module or "<top level>"

@@ -1,20 +1,24 @@
-"""torchstash-quant: a torchstash plug-in (found through the ``torchstash.plugins`` entry point).
+"""torchstash-quant: activation quantization for torchstash.
 
-Its strategies are being built; see this package's README for what is coming.
+Strategies: ``quant.int8``, ``quant.int4``, ``quant.int2``, ``quant.int1`` (and ``quant`` with
+``bits=``), ``quant.mesa``, ``quant.fp8``. Each also stores ReLU results as exact sign bits
+and bool masks as bits. Found through the ``torchstash.plugins`` entry point ``quant``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ._version import __version__
+from .fp8 import Fp8Quantizer
+from .groupwise import GroupQuantizer
+from .mesa import MesaQuantizer
+from .opaware import OpAware
+from .strategies import register
 
-if TYPE_CHECKING:
-    from torchstash.registry import Registry
-
-__all__ = ["__version__", "register"]
-
-
-def register(registry: Registry) -> None:
-    """Register this plug-in's strategies under the ``quant`` prefix (none yet)."""
-    del registry
+__all__ = [
+    "Fp8Quantizer",
+    "GroupQuantizer",
+    "MesaQuantizer",
+    "OpAware",
+    "__version__",
+    "register",
+]

@@ -1,0 +1,64 @@
+"""``quant.int8/int4/int2/int1``: per-group stochastic quantization (ActNN's and GACT's scheme).
+
+Groups of ``group_size`` consecutive elements share a bfloat16 minimum and step; codes are
+rounded stochastically (unbiased), clamped (no wrap-around), and packed bit-dense, in one
+fused kernel pass (``torchstash.kernels.group_quantize``). The tensor is taken in memory
+order, so transposed and channels_last tensors need no copy and come back with their strides.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchstash.compressor import BaseCompressor
+from torchstash.kernels import group_dequantize, group_quantize
+from torchstash.layout import memory_order, restore
+from torchstash.packed import Packed
+from torchstash.site import Site
+
+from ._options import check_bits, check_group_size
+from ._seeds import SeedStream
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class GroupQuantizer(BaseCompressor):
+    lossless = False
+
+    def __init__(
+        self,
+        bits: int = 8,
+        group_size: int = 256,
+        stochastic: bool = True,
+        seed: int | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.name = name or f"quant.int{bits}"  # type: ignore[misc]
+        self.bits = check_bits(bits, self.name)
+        self.group_size = check_group_size(group_size, self.name)
+        self.stochastic = bool(stochastic)
+        self.seeds = SeedStream(seed)
+
+    def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
+        if x.dtype not in FLOAT_DTYPES:
+            return [f"{self.name} quantizes float32, float16 and bfloat16 tensors, got {x.dtype}"]
+        return []
+
+    def compress(self, x: torch.Tensor, site: Site) -> Packed:
+        flat, inverse = memory_order(x)
+        codes, lo, step = group_quantize(
+            flat, self.bits, self.group_size, seed=self.seeds.next(), stochastic=self.stochastic
+        )
+        packed = Packed.like(x, self.name, codes=codes, lo=lo, step=step)
+        packed.meta.update(bits=self.bits, group_size=self.group_size, order=inverse)
+        return packed
+
+    def decompress(self, packed: Packed) -> torch.Tensor:
+        codes, lo, step = (packed.tensors[k] for k in ("codes", "lo", "step"))
+        assert isinstance(codes, torch.Tensor) and isinstance(lo, torch.Tensor)
+        assert isinstance(step, torch.Tensor)
+        flat = group_dequantize(
+            codes, lo, step, self.bits, self.group_size, packed.numel, packed.dtype
+        )
+        order = packed.meta.get("order")
+        return restore(flat, packed.shape, order if isinstance(order, tuple) else None)

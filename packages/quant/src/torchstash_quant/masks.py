@@ -1,0 +1,39 @@
+"""Exact 1-bit codes for what only needs one bit: a ReLU's saved result and boolean masks.
+
+ReLU's backward reads only whether its saved result is positive (LeakyReLU: whether its input
+is), so a sign bit restores a tensor that gives the same gradient bit for bit. Dropout and
+masked ops save bool masks, one byte per element in stock PyTorch: packed, one bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchstash.kernels import pack_mask, unpack_mask
+from torchstash.packed import Packed
+
+#: Ops whose saved tensor is used only through ``> 0`` in backward.
+SIGN_OPS = frozenset({"relu", "leaky_relu"})
+
+
+def pack_sign(x: torch.Tensor) -> Packed:
+    """``x > 0`` as bits; restored as 1.0 / 0.0 in ``x``'s dtype (NaN counts as positive)."""
+    positive = (x > 0) | x.isnan()
+    p = Packed.like(x, "quant.sign", bits=pack_mask(positive.contiguous()))
+    return p
+
+
+def unpack_sign(packed: Packed) -> torch.Tensor:
+    bits = packed.tensors["bits"]
+    assert isinstance(bits, torch.Tensor)
+    return unpack_mask(bits, packed.numel).view(packed.shape).to(packed.dtype)
+
+
+def pack_bool(x: torch.Tensor) -> Packed:
+    return Packed.like(x, "quant.bool", bits=pack_mask(x.contiguous()))
+
+
+def unpack_bool(packed: Packed) -> torch.Tensor:
+    bits = packed.tensors["bits"]
+    assert isinstance(bits, torch.Tensor)
+    return unpack_mask(bits, packed.numel).view(packed.shape)

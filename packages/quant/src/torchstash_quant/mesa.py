@@ -1,0 +1,153 @@
+"""``quant.mesa``: Mesa's 8-bit head-wise quantization with running estimates, made safe.
+
+Channels are grouped along the head or channel axis: dim 1 of a 4-D tensor (the heads of a
+(B, H, N, D) attention tensor, the channels of an NCHW activation), the last dim otherwise,
+in ``groups`` groups (default: one per head/channel, at most 64). Each site keeps running
+(EMA) estimates of every group's minimum and maximum, updated from the tensor it sees, and
+quantizes with them. Fixed from Mesa: codes are clamped (no wrap past 255), rounding is
+stochastic (unbiased inside the range), NaN and Inf keep reserved codes (253 = -Inf,
+254 = +Inf, 255 = NaN; finite values use 0..252), and the running state lives in the
+compressor, so the model's ``state_dict`` keys do not change.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from torchstash.compressor import BaseCompressor
+from torchstash.kernels import philox_uniform
+from torchstash.layout import memory_order, restore
+from torchstash.packed import Packed
+from torchstash.site import Site
+
+from ._options import check_fraction
+from ._seeds import SeedStream
+from .groupwise import FLOAT_DTYPES
+
+LEVELS = 252
+_NEG_INF, _POS_INF, _NAN = 253, 254, 255
+MAX_GROUPS = 64
+
+
+class MesaQuantizer(BaseCompressor):
+    name = "quant.mesa"
+    lossless = False
+
+    def __init__(
+        self,
+        bits: int = 8,
+        ema_decay: float = 0.9,
+        groups: int | None = None,
+        stochastic: bool = True,
+        seed: int | None = None,
+    ) -> None:
+        if bits != 8:
+            from torchstash.errors import OptionError
+
+            raise OptionError(
+                f"quant.mesa: option bits={bits!r} is not supported; Mesa's scheme is 8-bit "
+                f"(level 256). Use quant.int4 or quant.int2 for fewer bits."
+            )
+        self.ema_decay = check_fraction(ema_decay, "ema_decay", self.name)
+        if groups is not None and (
+            isinstance(groups, bool) or not isinstance(groups, int) or groups < 1
+        ):
+            from torchstash.errors import OptionError
+
+            raise OptionError(f"quant.mesa: option groups={groups!r} must be a positive integer")
+        self.groups = groups
+        self.stochastic = stochastic
+        self.seeds = SeedStream(seed)
+        self.state: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
+        if x.dtype not in FLOAT_DTYPES:
+            return [f"{self.name} takes float32, float16 and bfloat16 tensors, got {x.dtype}"]
+        if x.dim() == 0 or x.numel() == 0:
+            return [f"{self.name} needs a non-empty tensor with at least one dimension"]
+        return []
+
+    def _axis(self, x: torch.Tensor) -> int:
+        return 1 if x.dim() == 4 else x.dim() - 1
+
+    def _group_of_channel(self, channels: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        k = min(self.groups or channels, channels, MAX_GROUPS if self.groups is None else channels)
+        return torch.arange(channels, device=device) * k // channels, k
+
+    def _observe(
+        self, x: torch.Tensor, axis: int, gid: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-group min and max of the finite values (+inf/-inf where a group has none)."""
+        v = x.float()
+        dims = [d for d in range(x.dim()) if d != axis]
+        finite = v.isfinite()
+        low = torch.where(finite, v, float("inf"))
+        high = torch.where(finite, v, float("-inf"))
+        cmin = low.amin(dim=dims) if dims else low
+        cmax = high.amax(dim=dims) if dims else high
+        gmin = torch.full((k,), float("inf"), device=x.device).scatter_reduce(0, gid, cmin, "amin")
+        gmax = torch.full((k,), float("-inf"), device=x.device).scatter_reduce(0, gid, cmax, "amax")
+        return gmin, gmax
+
+    def _running(
+        self, site: Site, gmin: torch.Tensor, gmax: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        seen = gmin <= gmax
+        with self._lock:
+            prev = self.state.get(site.key)
+            if prev is None or prev[0].shape != gmin.shape or prev[0].device != gmin.device:
+                lo = torch.where(seen, gmin, 0.0)
+                hi = torch.where(seen, gmax, 0.0)
+            else:
+                d = self.ema_decay
+                lo = torch.where(seen, d * prev[0] + (1 - d) * gmin, prev[0])
+                hi = torch.where(seen, d * prev[1] + (1 - d) * gmax, prev[1])
+            self.state[site.key] = (lo, hi)
+        return lo, hi
+
+    def compress(self, x: torch.Tensor, site: Site) -> Packed:
+        axis = self._axis(x)
+        channels = x.shape[axis]
+        gid, k = self._group_of_channel(channels, x.device)
+        gmin, gmax = self._observe(x, axis, gid, k)
+        lo, hi = self._running(site, gmin, gmax)
+        step = torch.clamp(hi - lo, min=0.0) / LEVELS
+        shape = [1] * x.dim()
+        shape[axis] = channels
+        lo_c, step_c = lo[gid].view(shape), step[gid].view(shape)
+        v = x.float()
+        scaled = torch.where(step_c > 0, (v - lo_c) / torch.where(step_c > 0, step_c, 1.0), 0.0)
+        if self.stochastic:  # one uniform per element, in memory order
+            _, inverse = memory_order(scaled)
+            u = philox_uniform(x.numel(), self.seeds.next(), 0, device=x.device)
+            q = torch.floor(scaled + restore(u, scaled.shape, inverse))
+        else:
+            q = torch.floor(scaled + 0.5)
+        codes = q.clamp(0, LEVELS).to(torch.uint8)
+        codes = torch.where(v.isnan(), _NAN, codes)
+        codes = torch.where(v == float("inf"), _POS_INF, codes)
+        codes = torch.where(v == float("-inf"), _NEG_INF, codes).to(torch.uint8)
+        flat_codes, inverse = memory_order(codes)
+        packed = Packed.like(x, self.name, codes=flat_codes.reshape(-1), lo=lo.clone(), step=step)
+        packed.meta.update(axis=axis, order=inverse)
+        return packed
+
+    def decompress(self, packed: Packed) -> torch.Tensor:
+        codes, lo, step = (packed.tensors[k] for k in ("codes", "lo", "step"))
+        assert isinstance(codes, torch.Tensor) and isinstance(lo, torch.Tensor)
+        assert isinstance(step, torch.Tensor)
+        order = packed.meta.get("order")
+        c = restore(codes, packed.shape, order if isinstance(order, tuple) else None)
+        axis = int(packed.meta["axis"])  # type: ignore[arg-type]
+        channels = packed.shape[axis]
+        gid, _ = self._group_of_channel(channels, codes.device)
+        shape = [1] * len(packed.shape)
+        shape[axis] = channels
+        val = lo[gid].view(shape) + c.float() * step[gid].view(shape)
+        val = torch.where(c == _NAN, float("nan"), val)
+        val = torch.where(c == _POS_INF, float("inf"), val)
+        val = torch.where(c == _NEG_INF, float("-inf"), val)
+        return val.to(packed.dtype)
