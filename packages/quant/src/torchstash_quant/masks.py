@@ -37,3 +37,21 @@ def unpack_bool(packed: Packed) -> torch.Tensor:
     bits = packed.tensors["bits"]
     assert isinstance(bits, torch.Tensor)
     return unpack_mask(bits, packed.numel).view(packed.shape)
+
+
+#: Ops whose saved float tensor is a scaled keep-mask: 0 or 1 / (1 - p) (dropout on CPU).
+DROPOUT_OPS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "feature_dropout"})
+
+
+def pack_scaled_mask(x: torch.Tensor) -> Packed:
+    """A dropout mask whose kept entries all hold one value: one bit each, plus that value."""
+    p = Packed.like(x, "quant.scaled_mask", bits=pack_mask((x != 0).contiguous()))
+    p.tensors["scale"] = x.detach().amax().reshape(1)
+    return p
+
+
+def unpack_scaled_mask(packed: Packed) -> torch.Tensor:
+    bits, scale = packed.tensors["bits"], packed.tensors["scale"]
+    assert isinstance(bits, torch.Tensor) and isinstance(scale, torch.Tensor)
+    keep = unpack_mask(bits, packed.numel).view(packed.shape)
+    return keep.to(packed.dtype) * scale.to(packed.dtype)

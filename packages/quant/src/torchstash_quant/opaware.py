@@ -1,7 +1,8 @@
-"""Op-aware savings on top of any value codec: sign bits for ReLUs, bits for bool masks.
+"""Op-aware savings on top of any value codec: sign bits for ReLUs, bits for masks.
 
 Every ``quant.*`` strategy is an :class:`OpAware` around its value codec, so a ReLU's result
-costs one exact bit whatever the bit width, and dropout's mask one bit instead of a byte.
+costs one exact bit whatever the bit width, and a dropout mask one bit (bool masks: instead
+of a byte; the scaled float mask CPU dropout saves: instead of four bytes).
 Inputs of normalization ops (LayerNorm, GroupNorm, RMSNorm, BatchNorm) can take their own
 codec (``norm_bits``): their backward normalizes the saved input again, which turns a coarse
 code into a large gradient error (measured: the ViT's gradient cosine falls to 0.01 at 2 bits).
@@ -17,7 +18,16 @@ from torchstash.compressor import BaseCompressor, Compressor
 from torchstash.packed import Packed
 from torchstash.site import Site
 
-from .masks import SIGN_OPS, pack_bool, pack_sign, unpack_bool, unpack_sign
+from .masks import (
+    DROPOUT_OPS,
+    SIGN_OPS,
+    pack_bool,
+    pack_scaled_mask,
+    pack_sign,
+    unpack_bool,
+    unpack_scaled_mask,
+    unpack_sign,
+)
 
 #: Ops whose backward amplifies an error in their saved input (it is normalized again).
 NORM_OPS = frozenset({"layer_norm", "group_norm", "rms_norm", "batch_norm"})
@@ -37,6 +47,8 @@ class OpAware(BaseCompressor):
             return "bool"
         if site.op in SIGN_OPS and x.is_floating_point():
             return "sign"
+        if site.op in DROPOUT_OPS and site.role == "output" and x.is_floating_point():
+            return "dropmask"
         if self.norms is not None and site.op in NORM_OPS:
             return "norm"
         return ""
@@ -57,6 +69,8 @@ class OpAware(BaseCompressor):
             return pack_bool(x)
         if kind == "sign":
             return pack_sign(x)
+        if kind == "dropmask":
+            return pack_scaled_mask(x)
         if kind == "norm" and self.norms is not None:
             packed = self.norms.compress(x, site)
             if isinstance(packed, Packed):
@@ -69,6 +83,8 @@ class OpAware(BaseCompressor):
             return unpack_bool(packed)
         if packed.codec == "quant.sign":
             return unpack_sign(packed)
+        if packed.codec == "quant.scaled_mask":
+            return unpack_scaled_mask(packed)
         if packed.meta.get("norm") and self.norms is not None:
             return self.norms.decompress(packed)
         return self.values.decompress(packed)

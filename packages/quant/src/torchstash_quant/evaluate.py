@@ -1,0 +1,91 @@
+"""``python -m torchstash_quant.evaluate``: the quant strategies on the bench zoo, measured.
+
+For each zoo model and strategy: saved bytes against stock fp32 and against a bf16-autocast
+stock step (exact accounting through ``torchstash.measure``), and the cosine similarity of
+all parameter gradients to stock's on the same batch. The figures in the package README
+come from this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import torchstash as ts
+from torchstash.zoo import ZooEntry, zoo
+
+STRATEGIES = ("quant.int8", "quant.int4", "quant.int2", "quant.int1", "quant.mesa", "quant.fp8")
+
+
+def _grads(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def evaluate_one(entry: ZooEntry, strategy: str, batch: int | None = None) -> dict[str, Any]:
+    x, y = entry.batch(batch or entry.batch_size, torch.device("cpu"))
+    torch.manual_seed(0)
+    model = entry.build()
+    entry.loss(model, x, y).backward()
+    ref = _grads(model).clone()
+
+    def step() -> None:
+        model.zero_grad()
+        entry.loss(model, x, y).backward()
+
+    report = ts.measure(model, step, strategy, warmup=0, repeat=1)
+    cosine = torch.nn.functional.cosine_similarity(ref.double(), _grads(model).double(), dim=0)
+    with torch.autocast("cpu", torch.bfloat16):
+        bf16 = ts.measure(model, step, strategy, warmup=0, repeat=1)
+    return {
+        "model": entry.name,
+        "strategy": strategy,
+        "raw_bytes": report.raw_bytes,
+        "stored_bytes": report.stored_bytes,
+        "ratio_fp32": report.raw_bytes / report.stored_bytes,
+        "bf16_raw_bytes": bf16.raw_bytes,
+        "ratio_bf16": bf16.raw_bytes / bf16.stored_bytes,
+        "grad_cosine": float(cosine),
+    }
+
+
+def evaluate(scale: str = "small", strategies: Sequence[str] = STRATEGIES) -> list[dict[str, Any]]:
+    return [evaluate_one(e, s) for e in zoo(scale) for s in strategies]
+
+
+def table(rows: list[dict[str, Any]], scale: str) -> Table:
+    t = Table(title=f"torchstash-quant on the bench zoo ({scale}), one step on CPU")
+    for col in ("model", "strategy", "vs fp32", "vs bf16", "grad cosine"):
+        t.add_column(col, justify="left" if col in ("model", "strategy") else "right")
+    for r in rows:
+        t.add_row(
+            r["model"],
+            r["strategy"],
+            f"{r['ratio_fp32']:.2f}x",
+            f"{r['ratio_bf16']:.2f}x",
+            f"{r['grad_cosine']:.4f}",
+        )
+    return t
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torchstash_quant.evaluate")
+    parser.add_argument("--scale", default="small", choices=["tiny", "small", "base"])
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    rows = evaluate(args.scale, [s for s in args.strategies.split(",") if s])
+    Console().print(table(rows, args.scale))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,176 @@
+"""quant strategies: options, unbiasedness, op-aware exact codes, savings and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import torchstash as ts
+from torchstash import Site
+from torchstash.errors import OptionError
+from torchstash.zoo import zoo
+from torchstash_quant import GroupQuantizer, MesaQuantizer
+from torchstash_quant.evaluate import evaluate_one
+
+ZOO = {e.name: e for e in zoo("tiny")}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "options", "message"),
+    [
+        ("quant", {"bits": 3}, r"bits=3 .*1, 2, 4, 8"),
+        ("quant.int4", {"group_size": 0}, r"group_size=0 must be a positive integer"),
+        ("quant.int2", {"group_size": -5}, r"group_size=-5"),
+        ("quant.mesa", {"bits": 4}, r"bits=4 .*8-bit"),
+        ("quant.mesa", {"ema_decay": 1.5}, r"ema_decay=1.5 .*\[0, 1\)"),
+        ("quant.int8", {"norm_bits": "high"}, r"norm_bits='high'"),
+        ("quant.int8", {"bitz": 2}, r"It accepts: group_size, stochastic, seed, norm_bits"),
+    ],
+)
+def test_bad_options_name_the_option(
+    strategy: str, options: dict[str, object], message: str
+) -> None:
+    with pytest.raises(OptionError, match=message):
+        ts.apply(nn.Linear(4, 4), strategy, **options)
+
+
+def is_unbiased(compress_decompress: object, x: torch.Tensor, draws: int = 300) -> bool:
+    """Pooled z-scores of the total error, over each of 16 slices of the elements, all below 5.
+
+    Per element, a sample can miss a rare rounding (a value just above a level): pooling
+    the errors of a slice keeps the test exact in distribution and still catches a bias.
+    """
+    ys = torch.stack([compress_decompress(x) for _ in range(draws)]).double()  # type: ignore[operator]
+    err = ys - x.double()
+    for part in torch.arange(x.numel()).chunk(16):
+        e = err.reshape(draws, -1)[:, part]
+        var = e.var(dim=0).sum() * draws
+        total = e.sum()
+        if var == 0:
+            if total != 0:
+                return False
+            continue
+        if abs(float(total / var.sqrt())) > 5:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_stochastic_rounding_is_unbiased(bits: int) -> None:
+    x = torch.randn(2048)
+    q = GroupQuantizer(bits)
+    assert is_unbiased(lambda t: q.decompress(q.compress(t, Site())), x)
+    # and the test can fail: round-to-nearest is biased
+    rtn = GroupQuantizer(bits, stochastic=False)
+    assert not is_unbiased(lambda t: rtn.decompress(rtn.compress(t, Site())), x)
+
+
+def test_mesa_unbiased_inside_its_range() -> None:
+    x = torch.randn(16, 4, 32, 8)
+    q = MesaQuantizer()
+    site = Site(module="attn", op="matmul", role="input")
+    assert is_unbiased(lambda t: q.decompress(q.compress(t, site)), x, draws=200)
+
+
+def test_mesa_clamps_instead_of_wrapping_and_keeps_state_out_of_the_model() -> None:
+    q = MesaQuantizer(ema_decay=0.9)
+    site = Site(module="blk", op="gelu", role="input")
+    x = torch.rand(8, 64, 32)  # values in [0, 1)
+    q.decompress(q.compress(x, site))
+    big = x * 10  # beyond the running range: Mesa's codes wrapped past 255
+    y = q.decompress(q.compress(big, site))
+    _lo, hi = q.state[site.key]
+    assert float(y.max()) <= float(hi.max()) + 1e-5 and float(y.min()) >= 0.0
+    assert float(hi.max()) > 1.0  # the running estimate moved toward the new range
+    model = ZOO["vit"].build()
+    keys = list(model.state_dict())
+    with ts.apply(model, "quant.mesa"):
+        x_img, t = ZOO["vit"].batch(2, torch.device("cpu"))
+        ZOO["vit"].loss(model, x_img, t).backward()
+        assert list(model.state_dict()) == keys
+
+
+def test_relu_sign_bits_are_exact() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8), nn.ReLU(inplace=True))
+    x = torch.randn(32, 64)
+    model(x).sum().backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with ts.apply(model, policy=[{"op": "relu", "strategy": "quant.int1"}], min_bytes=0) as h:
+        model(x).sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters()))
+    relu = h.tally.rows["1"]
+    assert relu.compressed == 1 and relu.stored_bytes == 32 * 256 // 8
+
+
+def test_sign_bits_never_stand_in_for_values() -> None:
+    """The ReLU's result is also the next Linear's input: that one must keep its values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    x = torch.randn(64, 64)
+    model(x).square().sum().backward()
+    ref = model[2].weight.grad.clone()
+    model.zero_grad()
+    with ts.apply(model, "quant.int8", min_bytes=0):
+        model(x).square().sum().backward()
+    cos = torch.nn.functional.cosine_similarity(
+        ref.flatten(), model[2].weight.grad.flatten(), dim=0
+    )
+    assert cos > 0.999
+
+
+def test_dropout_masks_take_one_bit_and_stay_exact() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.Dropout(0.5), nn.Linear(512, 8))
+    x = torch.randn(64, 64)
+    torch.manual_seed(1)
+    model(x).sum().backward()
+    ref = model[0].weight.grad.clone()
+    model.zero_grad()
+    torch.manual_seed(1)
+    with ts.apply(model, policy=[{"op": "dropout", "strategy": "quant.int2"}], min_bytes=0) as h:
+        model(x).sum().backward()
+    assert torch.equal(ref, model[0].weight.grad)  # the mask came back exactly
+    drop = h.tally.rows["1"]
+    assert drop.compressed == 1
+    assert (
+        drop.stored_bytes <= drop.raw_bytes // 8 // drop.raw_bytes.bit_length() + 64 * 512 // 8 + 4
+    )
+
+
+def test_bool_tensors_take_one_bit() -> None:
+    mask = torch.rand(64, 512) > 0.3
+    with ts.stash("quant.int8", min_bytes=0) as s:
+        x = torch.randn(64, 512, requires_grad=True)
+        y = x.masked_fill(mask, 0.0).relu()
+    y.sum().backward()
+    (row,) = s.tally.rows.values()
+    assert row.ops == {"masked_fill": 1, "relu": 1}
+    assert row.raw_bytes == 64 * 512 * (1 + 4)  # a bool mask and a float32 ReLU result
+    assert row.stored_bytes == 2 * 64 * 512 // 8  # one bit each
+
+
+@pytest.mark.parametrize(
+    ("strategy", "model", "min_ratio", "min_bf16_ratio", "min_cosine"),
+    [
+        # floors measured on the tiny zoo (README: the small zoo and the targets)
+        ("quant.int8", "gpt", 3.8, 1.9, 0.999),
+        ("quant.int8", "vit", 3.8, 1.9, 0.999),
+        ("quant.int4", "vit", 7.0, 3.5, 0.99),
+        ("quant.int4", "gpt", 6.5, 3.5, 0.985),
+        ("quant.int2", "gpt", 12.0, 6.0, 0.7),
+        ("quant.mesa", "gpt", 3.8, 1.9, 0.999),
+        ("quant.mesa", "vit", 3.8, 1.9, 0.999),
+        ("quant.fp8", "vit", 3.8, 1.9, 0.999),
+        ("quant.int8", "resnet", 4.0, 2.0, 0.999),
+    ],
+)
+def test_savings_and_gradients_on_the_zoo(
+    strategy: str, model: str, min_ratio: float, min_bf16_ratio: float, min_cosine: float
+) -> None:
+    row = evaluate_one(ZOO[model], strategy, batch=8)
+    assert row["ratio_fp32"] >= min_ratio, row
+    assert row["ratio_bf16"] >= min_bf16_ratio, row
+    assert row["grad_cosine"] >= min_cosine, row
