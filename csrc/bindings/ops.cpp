@@ -12,6 +12,8 @@
 #include <sys/mman.h>
 #endif
 
+#include <tuple>
+
 #include "checks.h"
 #include "torchstash/bitpack.h"
 #include "torchstash/cpu_kernels.h"
@@ -86,6 +88,47 @@ void philox_uniform_cpu(const at::Tensor& out, std::int64_t seed, std::int64_t o
   }
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_quantize_cpu(const at::Tensor& x, std::int64_t bits,
+                                                                  std::int64_t group_size, std::int64_t seed,
+                                                                  bool stochastic) {
+  const groupquant::FloatKind kind = bindings::check_group_quantize(x, bits, group_size);
+  const at::Tensor c = x.contiguous();
+  const std::int64_t n = c.numel();
+  const std::int64_t groups = ceil_div(n, group_size);
+  const std::int64_t nbytes = bitpack::packed_size(n, static_cast<int>(bits));
+  at::Tensor packed = c.new_empty({nbytes}, c.options().dtype(at::kByte));
+  at::Tensor lo = c.new_empty({groups}, c.options().dtype(at::kBFloat16));
+  at::Tensor step = c.new_empty({groups}, c.options().dtype(at::kBFloat16));
+  prepare_huge_pages(packed.mutable_data_ptr(), nbytes);
+  if (n > 0) {
+    // seed is a 64-bit pattern: a Python value in [2^63, 2^64) arrives negative.
+    cpu::group_quantize(c.const_data_ptr(), kind, n, static_cast<int>(bits),
+                        bindings::kernel_group_size(group_size, n), static_cast<std::uint64_t>(seed), stochastic,
+                        packed.mutable_data_ptr<std::uint8_t>(), static_cast<std::uint16_t*>(lo.mutable_data_ptr()),
+                        static_cast<std::uint16_t*>(step.mutable_data_ptr()), threads_for(n * 16));
+  }
+  return {packed, lo, step};
+}
+
+at::Tensor group_dequantize_cpu(const at::Tensor& packed, const at::Tensor& lo, const at::Tensor& step,
+                                std::int64_t bits, std::int64_t group_size, std::int64_t numel,
+                                at::ScalarType dtype) {
+  const groupquant::FloatKind kind =
+      bindings::check_group_dequantize(packed, lo, step, bits, group_size, numel, dtype);
+  const at::Tensor p = packed.contiguous();
+  const at::Tensor l = lo.contiguous();
+  const at::Tensor s = step.contiguous();
+  at::Tensor out = p.new_empty({numel}, p.options().dtype(dtype));
+  prepare_huge_pages(out.mutable_data_ptr(), static_cast<std::int64_t>(out.nbytes()));
+  if (numel > 0) {
+    cpu::group_dequantize(p.const_data_ptr<std::uint8_t>(), static_cast<const std::uint16_t*>(l.const_data_ptr()),
+                          static_cast<const std::uint16_t*>(s.const_data_ptr()), static_cast<int>(bits),
+                          bindings::kernel_group_size(group_size, numel), numel, kind, out.mutable_data_ptr(),
+                          threads_for(numel * 4));
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace torchstash
 
@@ -95,10 +138,16 @@ TORCH_LIBRARY(torchstash, m) {
   m.def("pack_bits(Tensor codes, int bits) -> Tensor");
   m.def("unpack_bits(Tensor packed, int bits, int numel) -> Tensor");
   m.def("philox_uniform(Tensor(a!) out, int seed, int offset) -> ()");
+  m.def("group_quantize(Tensor x, int bits, int group_size, int seed, bool stochastic) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "group_dequantize(Tensor packed, Tensor lo, Tensor step, int bits, int group_size, int numel, "
+      "ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchstash, CPU, m) {
   m.impl("pack_bits", &torchstash::pack_bits_cpu);
   m.impl("unpack_bits", &torchstash::unpack_bits_cpu);
   m.impl("philox_uniform", &torchstash::philox_uniform_cpu);
+  m.impl("group_quantize", &torchstash::group_quantize_cpu);
+  m.impl("group_dequantize", &torchstash::group_dequantize_cpu);
 }

@@ -8,6 +8,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <tuple>
+
 #include "checks.h"
 #include "torchstash/bitpack.h"
 #include "torchstash/cuda_launch.h"
@@ -45,6 +47,42 @@ void philox_uniform_cuda(const at::Tensor& out, std::int64_t seed, std::int64_t 
                                              static_cast<std::uint64_t>(offset), current_stream()));
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_quantize_cuda(const at::Tensor& x, std::int64_t bits,
+                                                                   std::int64_t group_size, std::int64_t seed,
+                                                                   bool stochastic) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const groupquant::FloatKind kind = bindings::check_group_quantize(x, bits, group_size);
+  const at::Tensor c = x.contiguous();
+  const std::int64_t n = c.numel();
+  const std::int64_t groups = ceil_div(n, group_size);
+  at::Tensor packed = c.new_empty({bitpack::packed_size(n, static_cast<int>(bits))}, c.options().dtype(at::kByte));
+  at::Tensor lo = c.new_empty({groups}, c.options().dtype(at::kBFloat16));
+  at::Tensor step = c.new_empty({groups}, c.options().dtype(at::kBFloat16));
+  C10_CUDA_CHECK(cuda::launch_group_quantize(
+      c.const_data_ptr(), kind, n, static_cast<int>(bits), bindings::kernel_group_size(group_size, n),
+      static_cast<std::uint64_t>(seed), stochastic, packed.mutable_data_ptr<std::uint8_t>(),
+      static_cast<std::uint16_t*>(lo.mutable_data_ptr()), static_cast<std::uint16_t*>(step.mutable_data_ptr()),
+      current_stream()));
+  return {packed, lo, step};
+}
+
+at::Tensor group_dequantize_cuda(const at::Tensor& packed, const at::Tensor& lo, const at::Tensor& step,
+                                 std::int64_t bits, std::int64_t group_size, std::int64_t numel,
+                                 at::ScalarType dtype) {
+  const c10::cuda::CUDAGuard guard(packed.device());
+  const groupquant::FloatKind kind =
+      bindings::check_group_dequantize(packed, lo, step, bits, group_size, numel, dtype);
+  const at::Tensor p = packed.contiguous();
+  const at::Tensor l = lo.contiguous();
+  const at::Tensor s = step.contiguous();
+  at::Tensor out = p.new_empty({numel}, p.options().dtype(dtype));
+  C10_CUDA_CHECK(cuda::launch_group_dequantize(
+      p.const_data_ptr<std::uint8_t>(), static_cast<const std::uint16_t*>(l.const_data_ptr()),
+      static_cast<const std::uint16_t*>(s.const_data_ptr()), static_cast<int>(bits),
+      bindings::kernel_group_size(group_size, numel), numel, kind, out.mutable_data_ptr(), current_stream()));
+  return out;
+}
+
 }  // namespace
 }  // namespace torchstash
 
@@ -52,4 +90,6 @@ TORCH_LIBRARY_IMPL(torchstash, CUDA, m) {
   m.impl("pack_bits", &torchstash::pack_bits_cuda);
   m.impl("unpack_bits", &torchstash::unpack_bits_cuda);
   m.impl("philox_uniform", &torchstash::philox_uniform_cuda);
+  m.impl("group_quantize", &torchstash::group_quantize_cuda);
+  m.impl("group_dequantize", &torchstash::group_dequantize_cuda);
 }

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "torchstash/common.h"
+#include "torchstash/groupquant.h"
 
 namespace torchstash {
 namespace cpu {
@@ -19,6 +20,17 @@ void unpack_bits(const std::uint8_t* packed, index_t n, int bits, std::uint8_t* 
 
 // out[0, n) <- Philox4x32-10 uniforms in [0, 1) for (seed, offset); see philox.h.
 void philox_uniform(float* out, index_t n, std::uint64_t seed, std::uint64_t offset, int num_threads);
+
+// Fused per-group quantization of x[0, n) (float32, float16 or bfloat16 bits, per `kind`):
+// packed[0, ceil(n * bits / 8)) <- the codes, lo/step[0, ceil(n / group_size)) <- the
+// bfloat16 bit patterns of each group's lo and signed step; see groupquant.h.
+void group_quantize(const void* x, groupquant::FloatKind kind, index_t n, int bits, index_t group_size,
+                    std::uint64_t seed, bool stochastic, std::uint8_t* packed, std::uint16_t* lo,
+                    std::uint16_t* step, int num_threads);
+
+// out[0, n) (float32, float16 or bfloat16 per `kind`) <- the values group_quantize encoded.
+void group_dequantize(const std::uint8_t* packed, const std::uint16_t* lo, const std::uint16_t* step, int bits,
+                      index_t group_size, index_t n, groupquant::FloatKind kind, void* out, int num_threads);
 
 }  // namespace cpu
 }  // namespace torchstash

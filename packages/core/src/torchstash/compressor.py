@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -35,10 +35,10 @@ class Compressor(Protocol):
 class BaseCompressor:
     """Shared defaults: floating tensors only, no state. Subclasses set ``name``/``lossless``."""
 
-    name: ClassVar[str] = ""
-    lossless: ClassVar[bool] = False
+    name: str = ""
+    lossless: bool = False
     #: payload keys a following compressor may compress further (None: every float payload)
-    composable: ClassVar[tuple[str, ...] | None] = None
+    composable: tuple[str, ...] | None = None
 
     def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
         reasons = []

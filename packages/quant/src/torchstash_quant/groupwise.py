@@ -33,7 +33,7 @@ class GroupQuantizer(BaseCompressor):
         seed: int | None = None,
         name: str | None = None,
     ) -> None:
-        self.name = name or f"quant.int{bits}"  # type: ignore[misc]
+        self.name = name or f"quant.int{bits}"
         self.bits = check_bits(bits, self.name)
         self.group_size = check_group_size(group_size, self.name)
         self.stochastic = bool(stochastic)

@@ -39,8 +39,8 @@ class OpAware(BaseCompressor):
     def __init__(self, values: Compressor, norms: Compressor | None = None) -> None:
         self.values = values
         self.norms = norms
-        self.name = values.name  # type: ignore[misc]
-        self.composable = getattr(values, "composable", None)  # type: ignore[misc]
+        self.name = values.name
+        self.composable = getattr(values, "composable", None)
 
     def variant(self, x: torch.Tensor, site: Site) -> str:
         if x.dtype == torch.bool:

@@ -1,7 +1,8 @@
 """Compiled kernels shared by every torchstash plug-in, with pure-PyTorch fallbacks.
 
 ``pack_bits``/``unpack_bits`` store small integer codes densely, ``philox_uniform``
-draws reproducible random numbers; each runs a JIT-built C++/CUDA kernel when one is
+draws reproducible random numbers, ``group_quantize``/``group_dequantize`` store floats
+at 1-8 bits with per-group stochastic rounding; each runs a JIT-built C++/CUDA kernel when one is
 available (see ``status()``) and the reference in ``torchstash.kernels.reference`` if not.
 """
 
@@ -9,12 +10,15 @@ from __future__ import annotations
 
 from ._dispatch import Impl
 from .bitpack import pack_bits, pack_mask, unpack_bits, unpack_mask
+from .groupquant import group_dequantize, group_quantize
 from .loader import available, load, status
 from .philox import philox_uniform
 
 __all__ = [
     "Impl",
     "available",
+    "group_dequantize",
+    "group_quantize",
     "load",
     "pack_bits",
     "pack_mask",

@@ -31,12 +31,53 @@ def _philox_uniform_fake(out: torch.Tensor, seed: int, offset: int) -> None:
     torch._check(out.dtype == torch.float32, lambda: f"out must be float32, got {out.dtype}")
 
 
-def _ops_defined() -> bool:
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _group_quantize_fake(
+    x: torch.Tensor, bits: int, group_size: int, seed: int, stochastic: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch._check(bits in (1, 2, 4, 8), lambda: f"bits must be one of 1, 2, 4, 8, got {bits}")
+    torch._check(group_size >= 1, lambda: f"group_size must be >= 1, got {group_size}")
+    torch._check(
+        x.dtype in _FLOATS, lambda: f"x must be float32, float16 or bfloat16, got {x.dtype}"
+    )
+    n, per = x.numel(), 8 // bits
+    groups = (n + group_size - 1) // group_size
+    return (
+        x.new_empty(((n + per - 1) // per,), dtype=torch.uint8),
+        x.new_empty((groups,), dtype=torch.bfloat16),
+        x.new_empty((groups,), dtype=torch.bfloat16),
+    )
+
+
+def _group_dequantize_fake(
+    packed: torch.Tensor,
+    lo: torch.Tensor,
+    step: torch.Tensor,
+    bits: int,
+    group_size: int,
+    numel: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    torch._check(bits in (1, 2, 4, 8), lambda: f"bits must be one of 1, 2, 4, 8, got {bits}")
+    torch._check(packed.dtype == torch.uint8, lambda: f"packed must be uint8, got {packed.dtype}")
+    torch._check(
+        dtype in _FLOATS, lambda: f"dtype must be float32, float16 or bfloat16, got {dtype}"
+    )
+    return packed.new_empty((numel,), dtype=dtype)
+
+
+def _op_defined(name: str) -> bool:
     try:
-        torch.ops.torchstash.pack_bits.default  # noqa: B018
+        getattr(torch.ops.torchstash, name).default  # noqa: B018
     except (AttributeError, RuntimeError):
         return False
     return True
+
+
+def _ops_defined() -> bool:
+    return _op_defined("pack_bits")
 
 
 def register() -> None:
@@ -47,6 +88,10 @@ def register() -> None:
     torch.library.register_fake("torchstash::pack_bits", _pack_bits_fake)
     torch.library.register_fake("torchstash::unpack_bits", _unpack_bits_fake)
     torch.library.register_fake("torchstash::philox_uniform", _philox_uniform_fake)
+    # A library built from older sources (TORCHSTASH_CSRC_DIR) may lack the newer ops.
+    if _op_defined("group_quantize"):
+        torch.library.register_fake("torchstash::group_quantize", _group_quantize_fake)
+        torch.library.register_fake("torchstash::group_dequantize", _group_dequantize_fake)
     _registered = True
 
 

@@ -1,11 +1,13 @@
 """CPU benchmark: compiled kernels against the pure-PyTorch reference.
 
 ``python -m torchstash.kernels.bench [--mib 64] [--repeat 5] [--threads N] [--json]
-[--check RATIO]``. Sizes are of the unpacked side: ``mib`` MiB of uint8 codes for
-pack/unpack, ``mib`` MiB of float32 output for philox_uniform. Reference and kernel
-runs alternate after a warm-up; speedups are ratios of medians ("best": of the
-fastest runs). ``--check RATIO`` exits 1 when a row other than the 8-bit copies stays
-below RATIO after one re-measurement with twice the runs (shared machines are noisy).
+[--check RATIO] [--suite bitpack|groupquant]``. Sizes are of the unpacked side: ``mib``
+MiB of uint8 codes for pack/unpack, ``mib`` MiB of float32 output for philox_uniform,
+``mib`` MiB of float32 input (quantize) or output (dequantize, group size 256) for the
+``groupquant`` suite. Reference and kernel runs alternate after a warm-up; speedups are
+ratios of medians ("best": of the fastest runs). ``--check RATIO`` exits 1 when a row
+other than the 8-bit copies stays below RATIO after one re-measurement with twice the
+runs (shared machines are noisy).
 """
 
 from __future__ import annotations
@@ -24,9 +26,15 @@ import torch
 from torchstash.errors import KernelUnavailable
 
 from .bitpack import pack_bits, unpack_bits
+from .groupquant import group_dequantize, group_quantize
 from .philox import philox_uniform
 
-__all__ = ["BenchRow", "failures", "main", "run"]
+__all__ = ["SUITES", "BenchRow", "failures", "main", "run"]
+
+#: Case families: ``bitpack`` (pack/unpack at 1-8 bits, philox_uniform) and
+#: ``groupquant`` (group_quantize/group_dequantize at 2 and 8 bits).
+SUITES = ("bitpack", "groupquant")
+_COPY_OPS = ("pack_bits", "unpack_bits")  # plain copies at 8 bits
 
 
 @dataclass(frozen=True)
@@ -62,7 +70,7 @@ def _row(
         ref_ms.append(_ms(ref))
         kernel_ms.append(_ms(kernel))
     ref_med, kernel_med = statistics.median(ref_ms), statistics.median(kernel_ms)
-    copy = bits == 8
+    copy = bits == 8 and op in _COPY_OPS
     note = "plain copy on both sides; any gain is the huge-page output" if copy else ""
     return BenchRow(
         op, bits, mib, ref_med, kernel_med, ref_med / kernel_med,
@@ -97,14 +105,51 @@ def _cases(mib: float, seed: int) -> list[_Case]:
     return cases
 
 
-def run(mib: float = 64, repeat: int = 5, seed: int = 0, *, check: float = 0.0) -> list[BenchRow]:
-    """Times every op; raises KernelUnavailable when the kernels cannot be built.
+def _group_cases(mib: float, seed: int) -> list[_Case]:
+    """group_quantize and group_dequantize on ``mib`` MiB of float32, group size 256."""
+    n = int(mib * 2**20) // 4
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    cases: list[_Case] = []
+    for bits in (2, 8):
+        q = group_quantize(x, bits, seed=1234, impl="kernel")
+        cases.append(
+            ("group_quantize", bits, partial(group_quantize, x, bits, seed=1234, impl="ref"),
+             partial(group_quantize, x, bits, seed=1234, impl="kernel"))
+        )  # fmt: skip
+        cases.append(
+            ("group_dequantize", bits,
+             partial(group_dequantize, *q, bits, 256, n, torch.float32, impl="ref"),
+             partial(group_dequantize, *q, bits, 256, n, torch.float32, impl="kernel"))
+        )  # fmt: skip
+    return cases
+
+
+def run(
+    mib: float = 64,
+    repeat: int = 5,
+    seed: int = 0,
+    *,
+    check: float = 0.0,
+    suites: Sequence[str] = ("bitpack",),
+) -> list[BenchRow]:
+    """Times every op of ``suites`` (see SUITES); raises KernelUnavailable when the kernels
+    cannot be built. The command line runs every suite.
 
     With ``check > 0``, a non-copy row below ``check`` is measured once more with twice
     the runs and the new row kept.
     """
+    unknown = [s for s in suites if s not in SUITES]
+    if unknown:
+        raise ValueError(
+            f"unknown bench suite(s) {unknown}; allowed values are {', '.join(SUITES)}"
+        )
+    cases: list[_Case] = []
+    if "bitpack" in suites:
+        cases += _cases(mib, seed)
+    if "groupquant" in suites:
+        cases += _group_cases(mib, seed)
     rows = []
-    for op, bits, ref, kernel in _cases(mib, seed):
+    for op, bits, ref, kernel in cases:
         row = _row(op, bits, mib, ref, kernel, repeat)
         if check > 0 and failures([row], check):
             row = _row(op, bits, mib, ref, kernel, 2 * repeat)
@@ -118,12 +163,12 @@ def failures(rows: Sequence[BenchRow], ratio: float) -> list[BenchRow]:
 
 
 def format_table(rows: Sequence[BenchRow]) -> str:
-    head = f"{'op':<16}{'bits':>5}{'MiB':>6}{'ref ms':>10}{'kernel ms':>11}{'speedup':>9}{'best':>8}  note"
+    head = f"{'op':<18}{'bits':>5}{'MiB':>6}{'ref ms':>10}{'kernel ms':>11}{'speedup':>9}{'best':>8}  note"
     lines = [head]
     for r in rows:
         bits = "-" if r.bits is None else str(r.bits)
         lines.append(
-            f"{r.op:<16}{bits:>5}{r.mib:>6g}{r.ref_ms:>10.2f}{r.kernel_ms:>11.2f}"
+            f"{r.op:<18}{bits:>5}{r.mib:>6g}{r.ref_ms:>10.2f}{r.kernel_ms:>11.2f}"
             f"{r.speedup:>8.1f}x{r.best_speedup:>7.1f}x  {r.note}".rstrip()
         )
     return "\n".join(lines)
@@ -140,11 +185,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--check", type=float, default=0.0, metavar="RATIO", help="exit 1 if a speedup is below"
     )
+    parser.add_argument(
+        "--suite", action="append", choices=SUITES, help="a case family (repeatable; default: all)"
+    )
     args = parser.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)  # the kernels use at::get_num_threads() too
     try:
-        rows = run(args.mib, args.repeat, check=args.check)
+        rows = run(args.mib, args.repeat, check=args.check, suites=args.suite or SUITES)
     except KernelUnavailable as exc:
         print(f"cannot benchmark: {exc}", file=sys.stderr)
         return 1

@@ -5,8 +5,10 @@ Bit-exact definition the CPU and CUDA kernels must reproduce (csrc/README.md rep
 * The tensor is flattened in row-major order of ``x.contiguous()``; group ``g`` holds
   elements ``[g * G, min((g + 1) * G, n))`` (``G = group_size``); codes are packed with
   the bitpack layout (element ``i`` at bit ``i * bits``), continuous across groups.
-* Per group, over its finite elements: ``mn``, ``mx`` (both 0 when none is finite).
-  A group holding a NaN or an Inf is *special*.
+* Per group, over its finite elements: ``mn``, ``mx`` (both 0 when none is finite), with
+  ``-0.0`` read as ``+0.0`` (which zero a SIMD min/max returns for a group holding both
+  depends on the lane order, so it is canonicalized). A group holding a NaN or an Inf is
+  *special*.
 * Levels ``L``: ``2**bits - 1`` for a normal group. A special group reserves codes for the
   non-finite values: ``2**bits - 1`` = NaN, ``2**bits - 2`` = +Inf, ``2**bits - 3`` = -Inf
   (bits >= 2, leaving ``L = 2**bits - 4``); at 1 bit, code 1 = NaN (any non-finite) and
@@ -15,7 +17,8 @@ Bit-exact definition the CPU and CUDA kernels must reproduce (csrc/README.md rep
   fp32 (0 when ``L == 0``); both stored as bfloat16; a special group stores ``-step``
   (sign bit set, ``-0.0`` included).
 * Code of a finite ``x``: ``clamp(floor((x - lo) / step + u), 0, L)`` in fp32 with
-  round-to-nearest and no fused multiply-add (0 when ``step == 0``), ``u`` the element's
+  round-to-nearest and no fused multiply-add (0 when ``step == 0``, and 0 when the quotient
+  is NaN, i.e. ``inf / inf`` with an infinite ``lo`` or ``step``), ``u`` the element's
   Philox uniform (``philox_uniform(n, seed, 0)[i]``), or 0.5 without stochastic rounding.
   With ``u`` uniform, ``E[lo + code * step] = x``: unbiased.
 * Dequantization: ``lo + code * step`` (fp32 multiply, then add; no FMA), the special codes
@@ -92,8 +95,10 @@ def group_quantize_ref(
     mn = torch.where(use, xp, inf).amin(dim=1)
     mx = torch.where(use, xp, -inf).amax(dim=1)
     empty = ~use.any(dim=1)
-    mn = torch.where(empty, torch.zeros_like(mn), mn)
-    mx = torch.where(empty, torch.zeros_like(mx), mx)
+    # + 0.0 turns -0.0 into +0.0 (IEEE round-to-nearest): amin/amax pick either zero of a
+    # group holding both, depending on the SIMD lane order.
+    mn = torch.where(empty, torch.zeros_like(mn), mn) + 0.0
+    mx = torch.where(empty, torch.zeros_like(mx), mx) + 0.0
     top = torch.where(
         special,
         torch.tensor(float(levels(bits, True)), device=x.device),
@@ -114,7 +119,8 @@ def group_quantize_ref(
     v = torch.where(step_e > 0, (xp - lo_e) / safe_step, 0.0)
     q = torch.floor(v + u)
     q = torch.minimum(torch.clamp(q, min=0.0), top_e)
-    q = torch.where(finite, q, 0.0).to(torch.uint8)
+    # A NaN quotient (inf / inf) is code 0 explicitly: NaN -> uint8 is undefined behaviour.
+    q = torch.where(finite & ~q.isnan(), q, 0.0).to(torch.uint8)
     if bits >= 2:
         hi = (1 << bits) - 1
         q = torch.where(xp.isnan(), hi, q)

@@ -144,9 +144,14 @@ def _sources(root: Path, variant: str) -> list[Path]:
 
 
 def _flags() -> tuple[list[str], list[str], list[str]]:
-    """(cflags, cuda cflags, ldflags). Apple clang has no -fopenmp: the loops run serially."""
+    """(cflags, cuda cflags, ldflags). Apple clang has no -fopenmp: the loops run serially.
+
+    ``-ffp-contract=off``: g++ would otherwise fuse ``lo + code * step`` into an FMA in the
+    AVX-512 clones, and group_dequantize must round the product and the sum separately to
+    match the reference bit for bit (the CUDA side uses ``__fmul_rn``/``__fadd_rn``).
+    """
     openmp = [] if sys.platform == "darwin" else ["-fopenmp"]
-    return ["-O3", "-DNDEBUG", *openmp], ["-O3", "-DNDEBUG"], openmp
+    return ["-O3", "-DNDEBUG", "-ffp-contract=off", *openmp], ["-O3", "-DNDEBUG"], openmp
 
 
 def digest(root: Path, variant: str) -> str:

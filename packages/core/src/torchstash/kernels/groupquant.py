@@ -1,0 +1,120 @@
+"""Public fused per-group stochastic quantization: the compiled kernel when it can run, else the reference.
+
+A tensor saved for backward at ``bits`` bits per element plus two bfloat16 per group of
+``group_size`` elements (``lo`` and a signed ``step``), with stochastic rounding so the
+dequantized value is unbiased. One fused pass per group (min/max, then round and pack)
+is what makes it cheap enough to run on every saved activation. The bit-exact definition
+is :mod:`torchstash.kernels.groupquant_reference` (and csrc/README.md); the rounding
+uniforms are ``philox_uniform(numel, seed, 0)``, so a seed reproduces the codes anywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import as_int64, check_bits, check_numel, check_packed, check_u64
+from ._dispatch import Impl, use_kernel
+from .groupquant_reference import group_dequantize_ref, group_quantize_ref, num_groups
+
+__all__ = ["FLOAT_DTYPES", "group_dequantize", "group_quantize"]
+
+#: The floating-point dtypes both ops read and write.
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_ALLOWED = "float32, float16, bfloat16"
+
+
+def _check_group_size(group_size: int, *, op: str) -> int:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"{op}: group_size must be an int >= 1 (256 is usual), got {group_size!r}")
+    return group_size
+
+
+def _check_float_dtype(dtype: object, name: str, *, op: str) -> None:
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{op}: {name} must be one of {_ALLOWED}, got {dtype}; convert with .float()"
+        )
+
+
+def _check_group_params(
+    t: torch.Tensor, name: str, groups: int, packed: torch.Tensor, *, op: str
+) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.bfloat16:
+        raise TypeError(
+            f"{op}: {name} must be bfloat16, got {t.dtype}; pass the tensors group_quantize returned"
+        )
+    if t.dim() != 1 or t.numel() != groups:
+        raise ValueError(
+            f"{op}: {name} must be 1-D with {groups} entries (one per group), got shape "
+            f"{tuple(t.shape)}; pass the numel and group_size that were used to quantize"
+        )
+    if t.device != packed.device:
+        raise ValueError(
+            f"{op}: {name} is on {t.device} but packed is on {packed.device}; "
+            "keep the three tensors on one device"
+        )
+
+
+def group_quantize(
+    x: torch.Tensor,
+    bits: int,
+    group_size: int = 256,
+    *,
+    seed: int,
+    stochastic: bool = True,
+    impl: Impl = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(packed, lo, step)`` for float ``x`` (any shape and strides; ``x.contiguous()`` order).
+
+    ``packed``: 1-D uint8 of ``ceil(numel * bits / 8)`` bytes; ``lo``, ``step``: 1-D bfloat16
+    of ``ceil(numel / group_size)`` entries, ``step`` negative for a group holding NaN/Inf.
+    ``seed`` in [0, 2**64) picks the rounding uniforms; ``stochastic=False`` rounds to nearest.
+    """
+    op = "group_quantize"
+    check_bits(bits, op=op)
+    _check_group_size(group_size, op=op)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
+    _check_float_dtype(x.dtype, "x", op=op)
+    check_u64(seed, "seed", op=op)
+    if not isinstance(stochastic, bool):
+        raise TypeError(f"{op}: stochastic must be a bool, got {type(stochastic).__name__}")
+    if use_kernel(impl, x.device):
+        packed, lo, step = torch.ops.torchstash.group_quantize(
+            x, bits, group_size, as_int64(seed), stochastic
+        )
+        return packed, lo, step
+    return group_quantize_ref(x, bits, group_size, seed, stochastic)
+
+
+def group_dequantize(
+    packed: torch.Tensor,
+    lo: torch.Tensor,
+    step: torch.Tensor,
+    bits: int,
+    group_size: int,
+    numel: int,
+    dtype: torch.dtype,
+    *,
+    impl: Impl = "auto",
+) -> torch.Tensor:
+    """The 1-D ``dtype`` tensor of ``numel`` values that :func:`group_quantize` encoded.
+
+    NaN and Inf come back where they were (at 1 bit every non-finite value is NaN).
+    """
+    op = "group_dequantize"
+    check_bits(bits, op=op)
+    _check_group_size(group_size, op=op)
+    check_numel(numel, op=op)
+    check_packed(packed, bits, numel, op=op)
+    groups = num_groups(numel, group_size)
+    _check_group_params(lo, "lo", groups, packed, op=op)
+    _check_group_params(step, "step", groups, packed, op=op)
+    _check_float_dtype(dtype, "dtype", op=op)
+    if use_kernel(impl, packed.device):
+        return torch.ops.torchstash.group_dequantize(
+            packed, lo, step, bits, group_size, numel, dtype
+        )
+    return group_dequantize_ref(packed, lo, step, bits, group_size, numel, dtype)
