@@ -16,6 +16,7 @@
 #include <cstring>
 
 #include "clones.h"
+#include "philox_lanes.h"
 #include "torchstash/bitpack.h"
 #include "torchstash/cpu_kernels.h"
 #include "torchstash/groupquant.h"
@@ -31,7 +32,7 @@ using groupquant::Stats;
 
 constexpr index_t kSpan = 2048;                    // elements prepared at once (8 KiB of fp32)
 constexpr index_t kTaskElems = index_t{1} << 16;  // elements per OpenMP task, about
-constexpr int kLanes = 8;                          // min/max lanes; Philox blocks advanced together
+constexpr int kLanes = kPhiloxLanes;               // min/max lanes; Philox blocks advanced together
 // A span's Philox blocks (kSpan / 4, one more when unaligned) rounded up to kLanes.
 constexpr index_t kUniforms = kSpan + 4 * kLanes;
 static_assert(kSpan % (4 * kLanes) == 0 && kTaskElems % 8 == 0, "spans and tasks must start on bytes");
@@ -84,36 +85,7 @@ TS_CPU_CLONES const float* fill_uniforms(float* buf, index_t first, index_t coun
   const index_t b_lo = first >> 2;
   const index_t b_hi = (first + count + 3) >> 2;
   for (index_t b0 = b_lo; b0 < b_hi; b0 += kLanes) {
-    std::uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
-    for (int l = 0; l < kLanes; ++l) {
-      const auto b = static_cast<std::uint64_t>(b0 + l);
-      c0[l] = static_cast<std::uint32_t>(b);
-      c1[l] = static_cast<std::uint32_t>(b >> 32);
-      c2[l] = 0;  // offset 0
-      c3[l] = 0;
-    }
-    auto k0 = static_cast<std::uint32_t>(seed);
-    auto k1 = static_cast<std::uint32_t>(seed >> 32);
-    for (int r = 0; r < philox::kRounds; ++r) {
-      if (r > 0) {
-        k0 += philox::kW0;
-        k1 += philox::kW1;
-      }
-      for (int l = 0; l < kLanes; ++l) {
-        const philox::Words w = philox::round(philox::Words{c0[l], c1[l], c2[l], c3[l]}, k0, k1);
-        c0[l] = w.x0;
-        c1[l] = w.x1;
-        c2[l] = w.x2;
-        c3[l] = w.x3;
-      }
-    }
-    float* o = buf + (b0 - b_lo) * 4;
-    for (int l = 0; l < kLanes; ++l) {
-      o[4 * l + 0] = philox::to_uniform(c0[l]);
-      o[4 * l + 1] = philox::to_uniform(c1[l]);
-      o[4 * l + 2] = philox::to_uniform(c2[l]);
-      o[4 * l + 3] = philox::to_uniform(c3[l]);
-    }
+    philox_lanes(buf + (b0 - b_lo) * 4, static_cast<std::uint64_t>(b0), seed, 0);  // offset 0
   }
   return buf + (first & 3);
 }

@@ -11,7 +11,6 @@ kernels' own NaN bits).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -35,29 +34,6 @@ IMPLS: tuple[Impl, ...] = ("kernel", "ref")
 F32_MAX = torch.finfo(torch.float32).max
 INF, NAN = float("inf"), float("nan")
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-
-
-@pytest.fixture(scope="module")
-def built() -> None:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(env.KERNELS, "auto")
-        info = loader.status()
-    if not info["built"]:
-        pytest.skip("compiled kernels unavailable: " + "; ".join(info["reasons"]))
-
-
-@pytest.fixture
-def kernels_on(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernels are built and the mode is ``auto`` whatever the environment says."""
-    monkeypatch.setenv(env.KERNELS, "auto")
-
-
-@pytest.fixture
-def kernel(kernels_on: None, device: torch.device) -> Iterator[None]:
-    """As ``kernels_on``, and the kernels serve ``device``."""
-    if not loader.available(device):
-        pytest.skip(f"kernels built without {device.type} support")
-    yield
 
 
 def _data(n: int, group_size: int, seed: int) -> torch.Tensor:

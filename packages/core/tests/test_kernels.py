@@ -7,7 +7,6 @@ always against the reference evaluated on CPU.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -35,29 +34,6 @@ BITS = [1, 2, 4, 8]
 IMPLS: tuple[Impl, ...] = ("kernel", "ref")
 SIZES = [0, 1, 3, 7, 9, 1000003]
 U64 = 2**64 - 1
-
-
-@pytest.fixture(scope="module")
-def built() -> None:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(env.KERNELS, "auto")
-        info = loader.status()
-    if not info["built"]:
-        pytest.skip("compiled kernels unavailable: " + "; ".join(info["reasons"]))
-
-
-@pytest.fixture
-def kernels_on(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernels are built and the mode is ``auto`` whatever the environment says."""
-    monkeypatch.setenv(env.KERNELS, "auto")
-
-
-@pytest.fixture
-def kernel(kernels_on: None, device: torch.device) -> Iterator[None]:
-    """As ``kernels_on``, and the kernels serve ``device``."""
-    if not loader.available(device):
-        pytest.skip(f"kernels built without {device.type} support")
-    yield
 
 
 def _codes(n: int, high: int = 256, seed: int = 0) -> torch.Tensor:

@@ -1,0 +1,51 @@
+// kPhiloxLanes consecutive Philox blocks advanced through the rounds together (structure of
+// arrays), so the compiler vectorizes the 32x32->64-bit products across blocks. Shared by
+// philox_cpu.cpp and groupquant_cpu.cpp; always inlined, so each TS_CPU_CLONES caller gets
+// it compiled for its own instruction set.
+#pragma once
+
+#include <cstdint>
+
+#include "torchstash/philox.h"
+
+namespace torchstash {
+namespace cpu {
+
+constexpr int kPhiloxLanes = 8;
+
+// out[0, 4 * kPhiloxLanes) <- the uniforms of blocks b0 .. b0 + kPhiloxLanes - 1.
+__attribute__((always_inline)) inline void philox_lanes(float* out, std::uint64_t b0, std::uint64_t seed,
+                                                        std::uint64_t offset) {
+  std::uint32_t c0[kPhiloxLanes], c1[kPhiloxLanes], c2[kPhiloxLanes], c3[kPhiloxLanes];
+  for (int l = 0; l < kPhiloxLanes; ++l) {
+    const std::uint64_t b = b0 + static_cast<std::uint64_t>(l);
+    c0[l] = static_cast<std::uint32_t>(b);
+    c1[l] = static_cast<std::uint32_t>(b >> 32);
+    c2[l] = static_cast<std::uint32_t>(offset);
+    c3[l] = static_cast<std::uint32_t>(offset >> 32);
+  }
+  auto k0 = static_cast<std::uint32_t>(seed);
+  auto k1 = static_cast<std::uint32_t>(seed >> 32);
+  for (int r = 0; r < philox::kRounds; ++r) {
+    if (r > 0) {
+      k0 += philox::kW0;
+      k1 += philox::kW1;
+    }
+    for (int l = 0; l < kPhiloxLanes; ++l) {
+      const philox::Words w = philox::round(philox::Words{c0[l], c1[l], c2[l], c3[l]}, k0, k1);
+      c0[l] = w.x0;
+      c1[l] = w.x1;
+      c2[l] = w.x2;
+      c3[l] = w.x3;
+    }
+  }
+  for (int l = 0; l < kPhiloxLanes; ++l) {
+    out[4 * l + 0] = philox::to_uniform(c0[l]);
+    out[4 * l + 1] = philox::to_uniform(c1[l]);
+    out[4 * l + 2] = philox::to_uniform(c2[l]);
+    out[4 * l + 3] = philox::to_uniform(c3[l]);
+  }
+}
+
+}  // namespace cpu
+}  // namespace torchstash
