@@ -86,6 +86,15 @@ def register(registry: Registry) -> None:
         lossless=False,
         summary="Mesa: 8-bit head-wise with running (EMA) range estimates, clamped",
     )
+    from .levels import LEVELS, SUMMARIES, _factory
+
+    for name in LEVELS:
+        registry.register(
+            f"quant.{name}",
+            _factory(name),  # type: ignore[arg-type]
+            lossless=name == "L0",
+            summary=SUMMARIES[name],
+        )
     registry.register(
         "quant.fp8",
         fp8,

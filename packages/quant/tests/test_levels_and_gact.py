@@ -1,0 +1,75 @@
+"""ActNN's levels as presets, and the GACT drop-in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchstash as ts
+import torchstash_quant.gact as gact
+from torchstash.errors import OptionError
+from torchstash.zoo import zoo
+
+GPT = next(e for e in zoo("tiny") if e.name == "gpt")
+
+
+def saved(strategy: str) -> ts.Report:
+    model = GPT.build()
+    x, y = GPT.batch(4, torch.device("cpu"))
+    return ts.measure(model, lambda: GPT.loss(model, x, y).backward(), strategy, repeat=1, warmup=0)
+
+
+def test_levels_are_registered_presets() -> None:
+    names = {s["name"] for s in ts.strategies()}
+    assert {f"quant.L{i}" for i in range(6)} <= names
+    r0, r1, r2, r3, r4 = (saved(f"quant.L{i}") for i in range(5))
+    assert r0.stored_bytes == r0.raw_bytes
+    assert r2.stored_bytes == saved("quant.int4").stored_bytes
+    assert r3.stored_bytes == saved("quant.int2").stored_bytes
+    assert r4.stored_bytes == r3.stored_bytes  # on CPU the offload declines: nothing to move
+    assert r3.stored_bytes < r2.stored_bytes < r1.stored_bytes < r0.stored_bytes
+
+
+def test_level_1_takes_only_linear_and_conv_inputs() -> None:
+    report = saved("quant.L1")
+    for row in report.rows:
+        if row.compressed:
+            assert set(row.ops) <= {"linear", "conv"}, row
+    gelu = next(r for r in report.rows if r.module_type == "GELU")
+    assert gelu.compressed == 0 and any("only what conv, linear save" in k for k in gelu.declined)
+
+
+def test_unknown_level_is_an_error() -> None:
+    from torchstash_quant.levels import level
+
+    with pytest.raises(OptionError, match="L6"):
+        level("L6")
+
+
+def test_gact_controller_round_trip() -> None:
+    model = GPT.build()
+    x, y = GPT.batch(4, torch.device("cpu"))
+    gact.set_optimization_level("L1.2")
+    controller = gact.Controller(model)
+    controller.install_hook()
+    assert ts.handle_of(model) is controller.handle
+    GPT.loss(model, x, y).backward()
+    calls: list[int] = []
+    controller.iterate(lambda: calls.append(1))
+    assert controller.iterations == 1 and calls == []
+    tally = controller.handle.tally  # type: ignore[union-attr]
+    assert tally.stored_bytes * 10 < tally.raw_bytes
+    controller.uninstall_hook()
+    assert ts.handle_of(model) is None
+    gact.set_optimization_level("L1")
+
+
+@pytest.mark.parametrize("level", ["L2", "L2.1", "L2.2", "L3"])
+def test_gact_adaptive_levels_say_what_is_missing(level: str) -> None:
+    with pytest.raises(OptionError, match="quant.auto"):
+        gact.set_optimization_level(level)
+
+
+def test_gact_unknown_level() -> None:
+    with pytest.raises(OptionError, match="unknown GACT level"):
+        gact.set_optimization_level("L9")
