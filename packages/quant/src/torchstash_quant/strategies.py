@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from .fp8 import Fp8Quantizer
 from .groupwise import GroupQuantizer
-from .mesa import MesaQuantizer
+from .mesa.codec import MesaQuantizer
 from .opaware import OpAware
 
 if TYPE_CHECKING:
@@ -58,8 +58,9 @@ def mesa(
     groups: int | None = None,
     stochastic: bool = True,
     seed: int | None = None,
+    group_size: int | None = None,
 ) -> OpAware:
-    return OpAware(MesaQuantizer(bits, ema_decay, groups, stochastic, seed))
+    return OpAware(MesaQuantizer(bits, ema_decay, groups, stochastic, seed, group_size))
 
 
 def fp8(group_size: int = 256) -> OpAware:

@@ -23,9 +23,9 @@ from torchstash.layout import memory_order, restore
 from torchstash.packed import Packed
 from torchstash.site import Site
 
-from ._options import check_fraction
-from ._seeds import SeedStream
-from .groupwise import FLOAT_DTYPES
+from .._options import check_fraction
+from .._seeds import SeedStream
+from ..groupwise import FLOAT_DTYPES
 
 LEVELS = 252
 _NEG_INF, _POS_INF, _NAN = 253, 254, 255
@@ -43,6 +43,7 @@ class MesaQuantizer(BaseCompressor):
         groups: int | None = None,
         stochastic: bool = True,
         seed: int | None = None,
+        group_size: int | None = None,
     ) -> None:
         if bits != 8:
             from torchstash.errors import OptionError
@@ -58,7 +59,21 @@ class MesaQuantizer(BaseCompressor):
             from torchstash.errors import OptionError
 
             raise OptionError(f"quant.mesa: option groups={groups!r} must be a positive integer")
+        if group_size is not None and (
+            isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
+        ):
+            from torchstash.errors import OptionError
+
+            raise OptionError(
+                f"quant.mesa: option group_size={group_size!r} must be a positive integer "
+                f"(channels per group)"
+            )
+        if groups is not None and group_size is not None:
+            from torchstash.errors import OptionError
+
+            raise OptionError("quant.mesa: give groups (how many) or group_size (channels each)")
         self.groups = groups
+        self.group_size = group_size
         self.stochastic = stochastic
         self.seeds = SeedStream(seed)
         self.state: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -75,7 +90,12 @@ class MesaQuantizer(BaseCompressor):
         return 1 if x.dim() == 4 else x.dim() - 1
 
     def _group_of_channel(self, channels: int, device: torch.device) -> tuple[torch.Tensor, int]:
-        k = min(self.groups or channels, channels, MAX_GROUPS if self.groups is None else channels)
+        if self.group_size is not None:
+            k = -(-channels // self.group_size)
+        else:
+            k = min(
+                self.groups or channels, channels, MAX_GROUPS if self.groups is None else channels
+            )
         return torch.arange(channels, device=device) * k // channels, k
 
     def _observe(
