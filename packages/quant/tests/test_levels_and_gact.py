@@ -30,6 +30,17 @@ def test_levels_are_registered_presets() -> None:
     assert r3.stored_bytes < r2.stored_bytes < r1.stored_bytes < r0.stored_bytes
 
 
+def test_presets_are_not_rerun_by_the_demo_and_bench() -> None:
+    from torchstash.bench import strategy_names
+
+    by_name = {s["name"]: s for s in ts.strategies()}
+    assert by_name["quant.L3"]["preset"] and by_name["quant"]["preset"]
+    assert not by_name["quant.int2"]["preset"]
+    default = strategy_names(None)
+    assert "quant.int2" in default and "quant.L3" not in default and "quant" not in default
+    assert strategy_names(["quant.L3"]) == ["quant.L3"]  # still runnable by name
+
+
 def test_level_1_takes_only_linear_and_conv_inputs() -> None:
     report = saved("quant.L1")
     for row in report.rows:

@@ -52,12 +52,16 @@ def split_names(text: str) -> list[str]:
 
 
 def strategy_names(requested: Iterable[str] | None, *, keep_none: bool = False) -> list[str]:
-    """The strategies to run: as requested (deduplicated), or every installed one.
+    """The strategies to run: as requested (deduplicated), or every installed one but presets.
 
     ``none`` stores what stock stores, so it is dropped unless ``keep_none``: the bench keeps
     it (its time is torchstash's own overhead); the demo keeps it only when asked for by name.
     """
-    names = [s["name"] for s in installed_strategies()] if requested is None else list(requested)
+    names = (
+        [s["name"] for s in installed_strategies() if not s["preset"]]
+        if requested is None
+        else list(requested)
+    )
     drop_none = not keep_none
     out: list[str] = []
     for n in names:

@@ -45,7 +45,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         t.add_column(col)
     for s in strategies:
         t.add_row(
-            s.name,
+            f"{s.name} (preset)" if s.preset else s.name,
             f"{s.distribution} {s.version}".strip(),
             "yes" if s.lossless else "no",
             ", ".join(s.options()),

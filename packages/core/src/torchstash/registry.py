@@ -42,6 +42,9 @@ class Strategy:
     summary: str
     distribution: str
     version: str
+    #: built from other strategies (an alias, a level): runnable by name, skipped by the demo
+    #: and the bench unless asked for
+    preset: bool = False
 
     def options(self) -> list[str]:
         """Names of the options the factory accepts."""
@@ -57,6 +60,7 @@ class Strategy:
             "lossless": self.lossless,
             "summary": self.summary,
             "options": self.options(),
+            "preset": self.preset,
         }
 
     def create(self, **options: Any) -> Any:
@@ -138,6 +142,7 @@ class Registry:
         *,
         lossless: bool,
         summary: str,
+        preset: bool = False,
     ) -> Strategy:
         """Register ``name``. A name already taken is an error naming both providers."""
         if not name or name.strip() != name or any(c in name for c in " >,"):
@@ -164,7 +169,7 @@ class Registry:
                     f"Uninstall one of them, or disable one with "
                     f"{env.DISABLE_PLUGINS}=<entry point or distribution>."
                 )
-            strategy = Strategy(name, factory, bool(lossless), summary, dist, version)
+            strategy = Strategy(name, factory, bool(lossless), summary, dist, version, preset)
             self._strategies[name] = strategy
             return strategy
 
@@ -319,7 +324,15 @@ REGISTRY = Registry(builtins=_core_builtins)
 
 
 def register_strategy(
-    name: str, factory: Factory, *, lossless: bool, summary: str, registry: Registry | None = None
+    name: str,
+    factory: Factory,
+    *,
+    lossless: bool,
+    summary: str,
+    preset: bool = False,
+    registry: Registry | None = None,
 ) -> Strategy:
     """Register a strategy in-process (plug-ins reach the same code through their entry point)."""
-    return (registry or REGISTRY).register(name, factory, lossless=lossless, summary=summary)
+    return (registry or REGISTRY).register(
+        name, factory, lossless=lossless, summary=summary, preset=preset
+    )

@@ -73,6 +73,7 @@ def register(registry: Registry) -> None:
         quant,
         lossless=False,
         summary="per-group stochastic quantization at bits=1/2/4/8 (default 8)",
+        preset=True,
     )
     for bits in (8, 4, 2, 1):
         registry.register(
@@ -95,6 +96,7 @@ def register(registry: Registry) -> None:
             _factory(name),  # type: ignore[arg-type]
             lossless=name == "L0",
             summary=SUMMARIES[name],
+            preset=True,
         )
     registry.register(
         "quant.fp8",
