@@ -18,6 +18,7 @@ import threading
 import torch
 
 from torchstash.compressor import BaseCompressor
+from torchstash.errors import OptionError
 from torchstash.kernels import philox_uniform
 from torchstash.layout import memory_order, restore
 from torchstash.packed import Packed
@@ -46,8 +47,6 @@ class MesaQuantizer(BaseCompressor):
         group_size: int | None = None,
     ) -> None:
         if bits != 8:
-            from torchstash.errors import OptionError
-
             raise OptionError(
                 f"quant.mesa: option bits={bits!r} is not supported; Mesa's scheme is 8-bit "
                 f"(level 256). Use quant.int4 or quant.int2 for fewer bits."
@@ -56,21 +55,15 @@ class MesaQuantizer(BaseCompressor):
         if groups is not None and (
             isinstance(groups, bool) or not isinstance(groups, int) or groups < 1
         ):
-            from torchstash.errors import OptionError
-
             raise OptionError(f"quant.mesa: option groups={groups!r} must be a positive integer")
         if group_size is not None and (
             isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
         ):
-            from torchstash.errors import OptionError
-
             raise OptionError(
                 f"quant.mesa: option group_size={group_size!r} must be a positive integer "
                 f"(channels per group)"
             )
         if groups is not None and group_size is not None:
-            from torchstash.errors import OptionError
-
             raise OptionError("quant.mesa: give groups (how many) or group_size (channels each)")
         self.groups = groups
         self.group_size = group_size
