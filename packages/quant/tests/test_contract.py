@@ -9,6 +9,7 @@ from torchstash import Site
 from torchstash.compressor import Compressor
 from torchstash.testing.contract import CompressorContract
 from torchstash_quant import Fp8Quantizer, GroupQuantizer, MesaQuantizer
+from torchstash_quant.auto import AutoQuantizer
 
 
 class TestInt8(CompressorContract):
@@ -82,3 +83,13 @@ def test_packed_bytes_are_what_the_bits_say(bits: int) -> None:
     x = torch.randn(1 << 16)
     p = GroupQuantizer(bits).compress(x, Site())
     assert p.nbytes() == (1 << 16) * bits // 8 + (1 << 16) // 256 * 4
+
+
+class TestAuto(CompressorContract):
+    """Before its first allocation every site runs at the budget's width (2 bits)."""
+
+    max_error = 0.7
+    min_grad_cosine = 0.7
+
+    def make_compressor(self) -> Compressor:
+        return AutoQuantizer()

@@ -75,10 +75,23 @@ def test_gact_controller_round_trip() -> None:
     gact.set_optimization_level("L1")
 
 
-@pytest.mark.parametrize("level", ["L2", "L2.1", "L2.2", "L3"])
-def test_gact_adaptive_levels_say_what_is_missing(level: str) -> None:
-    with pytest.raises(OptionError, match="quant.auto"):
-        gact.set_optimization_level(level)
+@pytest.mark.parametrize(("level", "budget"), [("L2", 4), ("L2.1", 3), ("L2.2", 2), ("L3", 4)])
+def test_gact_adaptive_levels_are_auto(level: str, budget: int) -> None:
+    model = GPT.build()
+    x, y = GPT.batch(4, torch.device("cpu"))
+    gact.set_optimization_level(level)
+    controller = gact.Controller(model)
+    controller.install_hook()
+    try:
+        for _ in range(2):
+            GPT.loss(model, x, y).backward()
+            controller.iterate(None)
+        tally = controller.handle.tally  # type: ignore[union-attr]
+        # Each step's tally: codes at about ``budget`` bits of every 32, plus scales.
+        assert tally.raw_bytes / tally.stored_bytes > 32 / (budget + 1.5)
+    finally:
+        controller.uninstall_hook()
+        gact.set_optimization_level("L1")
 
 
 def test_gact_unknown_level() -> None:

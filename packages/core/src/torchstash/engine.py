@@ -95,7 +95,16 @@ class Tally:
 class _Entry:
     """One stored tensor, shared by every op that saved it."""
 
-    __slots__ = ("__weakref__", "compressor", "site", "source", "value", "variant", "version")
+    __slots__ = (
+        "__weakref__",
+        "compressor",
+        "site",
+        "site_shape",
+        "source",
+        "value",
+        "variant",
+        "version",
+    )
 
     def __init__(
         self,
@@ -110,6 +119,7 @@ class _Entry:
         self.compressor = compressor
         self.variant = variant
         self.site = site
+        self.site_shape = tuple(source.shape) if source is not None else ()
         self.version = version
         self.source: Callable[[], torch.Tensor | None] = (
             weakref.ref(source) if source is not None else lambda: None
@@ -119,10 +129,12 @@ class _Entry:
 class _Saved:
     """What the pack hook hands autograd: a reference to a (possibly shared) entry."""
 
-    __slots__ = ("entry",)
+    __slots__ = ("entry", "shape")
 
-    def __init__(self, entry: _Entry) -> None:
+    def __init__(self, entry: _Entry, shape: tuple[int, ...] | None = None) -> None:
         self.entry = entry
+        #: set when this save is a reshaped view of the entry's tensor (same memory)
+        self.shape = shape
 
 
 @dataclass
@@ -275,7 +287,7 @@ class Engine:
         variant = _variant(compressor, t, site)
         key = None
         if self.dedupe and t.numel() > 0:
-            key = (t.data_ptr(), t.dtype, t.device, tuple(t.shape), t.stride(), t._version)
+            key = _dedupe_key(t)
             ref = self._live.get(key)
             hit = ref() if ref is not None else None
             # Shared only when stored by the same compressor in the same way: an op-specific
@@ -287,7 +299,8 @@ class Engine:
                 and hit.variant == variant
             ):
                 row.shared += 1
-                return _Saved(hit)
+                shape = tuple(t.shape)
+                return _Saved(hit, None if shape == tuple(hit.site_shape) else shape)
         entry = self._store(t, site, row, nbytes, compressor, reason)
         entry.variant = variant
         if key is not None:
@@ -359,6 +372,10 @@ class Engine:
         return frames[-1].info.type_names if frames else frozenset()
 
     def unpack(self, saved: _Saved) -> torch.Tensor:
+        value = self._unpack(saved)
+        return value if saved.shape is None else value.reshape(saved.shape)
+
+    def _unpack(self, saved: _Saved) -> torch.Tensor:
         entry = saved.entry
         value = entry.value
         if isinstance(value, torch.Tensor):
@@ -378,6 +395,15 @@ class Engine:
                 f"{entry.compressor.name} failed to restore the {tuple(value.shape)} "
                 f"{value.dtype} tensor ({entry.site.describe()}): {e}"
             ) from e
+
+
+def _dedupe_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """Saves with equal keys hold the same values. Contiguous tensors over the same memory
+    match whatever their shape (``att`` and the ``(B*H, N, N)`` view matmul saves of it), so
+    an attention map is stored once."""
+    if t.is_contiguous():
+        return (t.data_ptr(), t.dtype, t.device, t.numel(), t._version)
+    return (t.data_ptr(), t.dtype, t.device, tuple(t.shape), t.stride(), t._version)
 
 
 def _variant(compressor: Compressor | None, t: torch.Tensor, site: Site) -> str:

@@ -102,6 +102,8 @@ class OpState(threading.local):
         self.args: Sequence[Any] = ()
         self.depth = 0  # trackers active on this thread
         self.call_id = 0  # increments at every tracked call
+        #: (call id, callback) pairs waiting for that call's result; see :func:`on_result`
+        self.waiting: list[tuple[int, Callable[[Any], None]]] = []
 
 
 STATE = OpState()
@@ -124,10 +126,33 @@ class OpTracker(TorchFunctionMode):
         state.op, state.raw = op_names(func)
         state.args = args
         state.call_id += 1
+        call_id = state.call_id
         try:
-            return func(*args, **(kwargs or {}))
+            result = func(*args, **(kwargs or {}))
         finally:
             state.op, state.raw, state.args = prev
+        if state.waiting:
+            _deliver(state, call_id, result)
+        return result
+
+
+def on_result(callback: Callable[[Any], None]) -> None:
+    """Have ``callback(result)`` called when the op running now returns.
+
+    For a pack hook that wants the op's output (to watch its gradient, say): the hook runs
+    inside the op, before the output exists. Outside a tracked op the callback is dropped.
+    """
+    state = STATE
+    if state.op:
+        state.waiting.append((state.call_id, callback))
+
+
+def _deliver(state: OpState, call_id: int, result: Any) -> None:
+    due = [cb for cid, cb in state.waiting if cid == call_id]
+    # Earlier ids belong to calls that raised: nobody will deliver them.
+    state.waiting = [(cid, cb) for cid, cb in state.waiting if cid > call_id]
+    for callback in due:
+        callback(result)
 
 
 def role_of(t: torch.Tensor) -> str:

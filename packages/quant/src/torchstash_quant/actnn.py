@@ -53,6 +53,8 @@ def _strategy() -> tuple[str, dict[str, Any]]:
     if bits != default and config.level in ("L2", "L3"):
         if bits not in (1, 2, 4, 8):
             raise OptionError(f"config.activation_compression_bits[0]={bits!r}: use 1, 2, 4 or 8")
+        if config.level == "L3":  # ActNN's L3 bits are an average over a mixed allocation
+            return "quant.auto", {**options, "budget": bits}
         return f"quant.int{bits}", options
     return f"quant.{config.level}", options
 

@@ -20,7 +20,15 @@ from rich.table import Table
 import torchstash as ts
 from torchstash.zoo import ZooEntry, zoo
 
-STRATEGIES = ("quant.int8", "quant.int4", "quant.int2", "quant.int1", "quant.mesa", "quant.fp8")
+STRATEGIES = (
+    "quant.int8",
+    "quant.int4",
+    "quant.int2",
+    "quant.int1",
+    "quant.auto",
+    "quant.mesa",
+    "quant.fp8",
+)
 
 
 def _grads(model: torch.nn.Module) -> torch.Tensor:
@@ -38,10 +46,11 @@ def evaluate_one(entry: ZooEntry, strategy: str, batch: int | None = None) -> di
         model.zero_grad()
         entry.loss(model, x, y).backward()
 
-    report = ts.measure(model, step, strategy, warmup=0, repeat=1)
+    # Two warm-up steps: running estimates (mesa) and allocations (auto) settle on the batch.
+    report = ts.measure(model, step, strategy, warmup=2, repeat=1)
     cosine = torch.nn.functional.cosine_similarity(ref.double(), _grads(model).double(), dim=0)
     with torch.autocast("cpu", torch.bfloat16):
-        bf16 = ts.measure(model, step, strategy, warmup=0, repeat=1)
+        bf16 = ts.measure(model, step, strategy, warmup=2, repeat=1)
     return {
         "model": entry.name,
         "strategy": strategy,

@@ -11,8 +11,9 @@
 
 GACT registered private hook APIs and keyed tensors by call order; here the model goes through
 ``torchstash.apply`` (public ``saved_tensors_hooks``, sites named by module and op). GACT's
-adaptive levels (L2, L2.1, L2.2, L3) need ``quant.auto``, which is not here yet: they are a
-clear error rather than a silent fixed precision.
+adaptive levels (L2, L2.1, L2.2: budgets of 4, 3 and 2 bits) are ``quant.auto``; its
+allocation needs no extra backward passes, so ``iterate``'s ``backprop`` is never called. L3
+adds swapping to host memory (``offload.cpu``).
 """
 
 from __future__ import annotations
@@ -25,14 +26,17 @@ from torch import nn
 import torchstash as ts
 from torchstash.errors import OptionError
 
-#: GACT level -> torchstash strategy.
-LEVELS: dict[str, str | None] = {
+#: GACT level -> torchstash strategy and options.
+LEVELS: dict[str, tuple[str, dict[str, Any]] | None] = {
     "L0": None,
-    "L1": "quant.int4",
-    "L1.1": "quant.int8",
-    "L1.2": "quant.int2",
+    "L1": ("quant.int4", {}),
+    "L1.1": ("quant.int8", {}),
+    "L1.2": ("quant.int2", {}),
+    "L2": ("quant.auto", {"budget": 4}),
+    "L2.1": ("quant.auto", {"budget": 3}),
+    "L2.2": ("quant.auto", {"budget": 2}),
+    "L3": ("quant.auto>offload.cpu", {"quant.auto": {"budget": 4}}),
 }
-_ADAPTIVE = ("L2", "L2.1", "L2.2", "L3")
 
 
 class _Config:
@@ -43,11 +47,6 @@ config = _Config()
 
 
 def set_optimization_level(level: str) -> None:
-    if level in _ADAPTIVE:
-        raise OptionError(
-            f"GACT level {level} allocates bits adaptively, which needs quant.auto (not in this "
-            f"version); use L1 (4-bit), L1.1 (8-bit) or L1.2 (2-bit)"
-        )
     if level not in LEVELS:
         raise OptionError(f"unknown GACT level {level!r}; use one of {', '.join(LEVELS)}")
     config.level = level
@@ -61,13 +60,14 @@ class Controller:
         self.iterations = 0
 
     def install_hook(self) -> None:
-        strategy = LEVELS[config.level]
-        if self.handle is None and strategy is not None:
-            self.handle = ts.apply(self.model, strategy, **self.options)
+        chosen = LEVELS[config.level]
+        if self.handle is None and chosen is not None:
+            strategy, options = chosen
+            self.handle = ts.apply(self.model, strategy, **{**options, **self.options})
 
     def iterate(self, backprop: Callable[[], Any] | None = None) -> None:
-        """Counts steps. GACT re-ran ``backprop`` three times per tensor to pick bits; fixed
-        levels need no such passes, so ``backprop`` is never called."""
+        """Counts steps. GACT re-ran ``backprop`` to measure sensitivities; ``quant.auto``
+        estimates them from the step itself, so ``backprop`` is never called."""
         self.iterations += 1
 
     def uninstall_hook(self) -> None:

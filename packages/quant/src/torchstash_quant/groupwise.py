@@ -24,6 +24,8 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 class GroupQuantizer(BaseCompressor):
     lossless = False
+    #: :meth:`compress` takes ``bits=`` and ``group_size=`` per tensor
+    aligns_groups = True
 
     def __init__(
         self,
@@ -44,21 +46,32 @@ class GroupQuantizer(BaseCompressor):
             return [f"{self.name} quantizes float32, float16 and bfloat16 tensors, got {x.dtype}"]
         return []
 
-    def compress(self, x: torch.Tensor, site: Site) -> Packed:
+    def compress(
+        self,
+        x: torch.Tensor,
+        site: Site,
+        *,
+        bits: int | None = None,
+        group_size: int | None = None,
+    ) -> Packed:
+        """``bits`` and ``group_size`` override the codec's own for this tensor (mixed
+        precision, groups aligned to normalized rows); both are kept in the record."""
+        bits = bits or self.bits
+        group_size = group_size or self.group_size
         flat, inverse = memory_order(x)
         codes, lo, step = group_quantize(
-            flat, self.bits, self.group_size, seed=self.seeds.next(), stochastic=self.stochastic
+            flat, bits, group_size, seed=self.seeds.next(), stochastic=self.stochastic
         )
         packed = Packed.like(x, self.name, codes=codes, lo=lo, step=step)
-        packed.meta.update(bits=self.bits, group_size=self.group_size, order=inverse)
+        packed.meta.update(bits=bits, group_size=group_size, order=inverse)
         return packed
 
     def decompress(self, packed: Packed) -> torch.Tensor:
         codes, lo, step = (packed.tensors[k] for k in ("codes", "lo", "step"))
         assert isinstance(codes, torch.Tensor) and isinstance(lo, torch.Tensor)
         assert isinstance(step, torch.Tensor)
-        flat = group_dequantize(
-            codes, lo, step, self.bits, self.group_size, packed.numel, packed.dtype
-        )
+        bits, group_size = packed.meta["bits"], packed.meta["group_size"]
+        assert isinstance(bits, int) and isinstance(group_size, int)
+        flat = group_dequantize(codes, lo, step, bits, group_size, packed.numel, packed.dtype)
         order = packed.meta.get("order")
         return restore(flat, packed.shape, order if isinstance(order, tuple) else None)

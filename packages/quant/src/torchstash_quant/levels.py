@@ -5,7 +5,7 @@
 | L0 | no compression | saved tensors stored as they are |
 | L1 | 4-bit conv/linear inputs | 4-bit inputs of ``linear`` and ``conv`` ops, the rest as is |
 | L2 | 4-bit everywhere | ``quant.int4`` |
-| L3 | 2 bits on average, mixed | ``quant.int2`` (uniform until ``quant.auto`` lands) |
+| L3 | 2 bits on average, mixed | ``quant.auto`` with ``budget=2`` |
 | L4 | L3 + swap to host | L3, its payloads moved to pinned host memory (``offload.cpu``) |
 | L5 | L4 + defragmentation | L4 with the CUDA allocator's expandable segments turned on |
 
@@ -23,7 +23,7 @@ from torchstash.offload import CpuOffload
 from torchstash.packed import Packed
 from torchstash.site import Site
 
-from .strategies import quant
+from .strategies import auto, quant
 
 LEVELS = ("L0", "L1", "L2", "L3", "L4", "L5")
 
@@ -62,7 +62,7 @@ def level(name: str, group_size: int = 256, seed: int | None = None) -> Compress
         return OnlyOps(inner, frozenset({"linear", "conv"}))
     if name == "L2":
         return quant(4, group_size, True, seed)
-    codec: Compressor = quant(2, group_size, True, seed)
+    codec: Compressor = auto(2.0, group_size=group_size, seed=seed)
     if name in ("L4", "L5"):
         codec = Composed(codec, CpuOffload())
     if name == "L5" and torch.cuda.is_available():
@@ -82,7 +82,7 @@ SUMMARIES = {
     "L0": "ActNN level L0: no compression",
     "L1": "ActNN level L1: 4-bit linear and conv inputs",
     "L2": "ActNN level L2: 4-bit everywhere",
-    "L3": "ActNN level L3: 2-bit (uniform until quant.auto)",
+    "L3": "ActNN level L3: 2 bits on average, mixed precision (quant.auto)",
     "L4": "ActNN level L4: L3 with payloads in pinned host memory",
     "L5": "ActNN level L5: L4 with the CUDA allocator's expandable segments",
 }

@@ -3,9 +3,11 @@
 Every ``quant.*`` strategy is an :class:`OpAware` around its value codec, so a ReLU's result
 costs one exact bit whatever the bit width, and a dropout mask one bit (bool masks: instead
 of a byte; the scaled float mask CPU dropout saves: instead of four bytes).
-Inputs of normalization ops (LayerNorm, GroupNorm, RMSNorm, BatchNorm) can take their own
-codec (``norm_bits``): their backward normalizes the saved input again, which turns a coarse
-code into a large gradient error (measured: the ViT's gradient cosine falls to 0.01 at 2 bits).
+Inputs of normalization ops (LayerNorm, GroupNorm, RMSNorm, BatchNorm): their backward
+normalizes the saved input again, so a group must not mix two rows' scales. A value codec
+that takes a per-tensor ``group_size`` gets groups aligned to the normalized rows
+(:mod:`.rows`); where none fits (BatchNorm on 2x2 maps) the ``norms`` codec (``norm_bits``)
+takes the tensor instead.
 (Softmax already saves only its output, and the engine stores a tensor saved by several
 ops once, so an attention map is never kept twice.)
 """
@@ -28,6 +30,7 @@ from .masks import (
     unpack_scaled_mask,
     unpack_sign,
 )
+from .rows import aligned_group_size, normalized_run
 
 #: Ops whose backward amplifies an error in their saved input (it is normalized again).
 NORM_OPS = frozenset({"layer_norm", "group_norm", "rms_norm", "batch_norm"})
@@ -41,6 +44,14 @@ class OpAware(BaseCompressor):
         self.norms = norms
         self.name = values.name
         self.composable = getattr(values, "composable", None)
+        #: the value codec takes ``group_size=`` per tensor (see :meth:`_norm_group_size`)
+        self._aligns = bool(getattr(values, "aligns_groups", False))
+
+    def _norm_group_size(self, x: torch.Tensor, site: Site) -> int | None:
+        if not self._aligns:
+            return None
+        group_size = getattr(self.values, "group_size", 256)
+        return aligned_group_size(normalized_run(x, site), group_size)
 
     def variant(self, x: torch.Tensor, site: Site) -> str:
         if x.dtype == torch.bool:
@@ -49,7 +60,7 @@ class OpAware(BaseCompressor):
             return "sign"
         if site.op in DROPOUT_OPS and site.role == "output" and x.is_floating_point():
             return "dropmask"
-        if self.norms is not None and site.op in NORM_OPS:
+        if site.op in NORM_OPS and (self.norms is not None or self._aligns):
             return "norm"
         return ""
 
@@ -57,7 +68,7 @@ class OpAware(BaseCompressor):
         kind = self.variant(x, site)
         if site.op in NORM_OPS and site.role == "output":
             return [f"{site.op}'s saved statistics (mean, rstd) are small and kept exact"]
-        if kind == "norm" and self.norms is not None:
+        if kind == "norm" and self.norms is not None and self._norm_group_size(x, site) is None:
             return self.norms.unsupported(x, site)
         if kind:
             return []
@@ -71,6 +82,10 @@ class OpAware(BaseCompressor):
             return pack_sign(x)
         if kind == "dropmask":
             return pack_scaled_mask(x)
+        if kind == "norm":
+            aligned = self._norm_group_size(x, site)
+            if aligned is not None:
+                return self.values.compress(x, site, group_size=aligned)  # type: ignore[call-arg]
         if kind == "norm" and self.norms is not None:
             packed = self.norms.compress(x, site)
             if isinstance(packed, Packed):

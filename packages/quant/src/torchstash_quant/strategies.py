@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .auto import AutoQuantizer
 from .fp8 import Fp8Quantizer
 from .groupwise import GroupQuantizer
 from .mesa.codec import MesaQuantizer
@@ -63,6 +64,18 @@ def mesa(
     return OpAware(MesaQuantizer(bits, ema_decay, groups, stochastic, seed, group_size))
 
 
+def auto(
+    budget: float = 2.0,
+    bits: tuple[int, ...] = (1, 2, 4, 8),
+    group_size: int = 256,
+    interval: int = 20,
+    stochastic: bool = True,
+    seed: int | None = None,
+) -> OpAware:
+    """Mixed precision: ``budget`` average bits, re-allocated every ``interval`` steps."""
+    return OpAware(AutoQuantizer(budget, bits, group_size, interval, stochastic, seed))
+
+
 def fp8(group_size: int = 256) -> OpAware:
     return OpAware(Fp8Quantizer(group_size))
 
@@ -87,6 +100,12 @@ def register(registry: Registry) -> None:
         mesa,
         lossless=False,
         summary="Mesa: 8-bit head-wise with running (EMA) range estimates, clamped",
+    )
+    registry.register(
+        "quant.auto",
+        auto,
+        lossless=False,
+        summary="mixed 1/2/4/8-bit under an average budget (default 2), from range x gradient",
     )
     from .levels import LEVELS, SUMMARIES, _factory
 

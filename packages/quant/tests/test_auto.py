@@ -1,0 +1,130 @@
+"""``quant.auto``: the allocator, the estimate behind it, and the strategy on real models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import torchstash as ts
+from torchstash.engine import Engine
+from torchstash.errors import OptionError
+from torchstash.zoo import zoo
+from torchstash_quant.auto import AutoQuantizer, Need, allocate
+from torchstash_quant.strategies import auto, quant
+
+GPT = next(e for e in zoo("tiny") if e.name == "gpt")
+BITS = (1, 2, 4, 8)
+
+
+def test_allocate_spends_the_budget_on_the_sensitive() -> None:
+    sites = {
+        "hot": Need(100, 1000.0, 1),
+        "warm": Need(100, 10.0, 1),
+        "cold": Need(800, 0.01, 1),
+    }
+    a = allocate(sites, BITS, 2.0)
+    assert a.average <= 2.0
+    assert a.bits["hot"] >= a.bits["warm"] >= a.bits["cold"]
+    assert a.bits["hot"] == 8
+    uniform = sum(n.sensitivity / 9 for n in sites.values())
+    assert sum(a.error.values()) < uniform  # better than 2 bits everywhere
+
+
+def test_allocate_respects_floors_and_budget() -> None:
+    sites = {f"s{i}": Need(10 * (i + 1), float(i), 2) for i in range(10)}
+    for budget in (2.0, 2.5, 3.0, 5.0, 8.0):
+        a = allocate(sites, BITS, budget)
+        assert a.average <= budget + 1e-9
+        assert min(a.bits.values()) >= 2
+    # A floor above the budget wins over it.
+    a = allocate({"x": Need(10, 1.0, 8)}, BITS, 1.0)
+    assert a.bits == {"x": 8}
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"budget": 0.5}, r"budget=0.5 .* from 1 to 8"),
+        ({"budget": "2"}, r"budget='2'"),
+        ({"bits": (3,)}, r"bits=\(3,\)"),
+        ({"interval": 0}, r"interval=0"),
+        ({"group_size": 0}, r"group_size=0"),
+    ],
+)
+def test_bad_options_name_the_option(options: dict[str, object], match: str) -> None:
+    with pytest.raises(OptionError, match=match):
+        AutoQuantizer(**options)  # type: ignore[arg-type]
+
+
+def grad_error(model: nn.Module, compressor: object, steps: int = 3) -> float:
+    """Mean relative squared error of all parameter gradients over the last steps."""
+    x, y = GPT.batch(GPT.batch_size, torch.device("cpu"))
+    model.zero_grad()
+    GPT.loss(model, x, y).backward()
+    ref = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+    engine = Engine(lambda site, types: compressor, min_bytes=0)  # type: ignore[arg-type,return-value]
+    errors = []
+    for _ in range(steps):
+        model.zero_grad()
+        with engine.activated():
+            loss = GPT.loss(model, x, y)
+        loss.backward()
+        g = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+        errors.append(float((g - ref).pow(2).sum() / ref.pow(2).sum()))
+    return sum(errors[1:]) / (steps - 1)  # the first step runs before any allocation
+
+
+@pytest.mark.parametrize("budget", [2, 4])
+def test_auto_beats_uniform_at_the_same_bits(budget: int) -> None:
+    torch.manual_seed(0)
+    model = GPT.build()
+    uniform = grad_error(model, quant(budget, seed=1))
+    mixed_codec = auto(budget, seed=1)
+    mixed = grad_error(model, mixed_codec)
+    allocation = mixed_codec.values.allocation  # type: ignore[attr-defined]
+    assert allocation.average <= budget
+    assert mixed < 0.8 * uniform, (mixed, uniform)
+
+
+def test_auto_gives_the_head_the_most_bits() -> None:
+    """The LM head's input carries most of the gradient error (73% on the small GPT at 2
+    bits): no other linear input gets more bits."""
+    torch.manual_seed(0)
+    model = GPT.build()
+    codec = auto(2, seed=0)
+    grad_error(model, codec, steps=2)
+    bits = codec.values.allocation.bits  # type: ignore[attr-defined]
+    linear = {k: b for k, b in bits.items() if ":linear" in k and k.endswith(":input:0")}
+    head = max(linear, key=lambda k: int(k.split(":linear")[1].split(":")[0]))
+    assert bits[head] == max(linear.values()) > 2, bits
+
+
+class Branchy(nn.Module):
+    """A dynamic graph: every other step runs an extra layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(64, 256), nn.Linear(256, 256), nn.Linear(256, 10)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = torch.nn.functional.gelu(self.a(x))
+        if self.calls % 2 == 0:
+            h = torch.nn.functional.gelu(self.b(h))
+        return self.c(h)
+
+
+def test_auto_follows_a_dynamic_graph() -> None:
+    torch.manual_seed(0)
+    model = Branchy()
+    handle = ts.apply(model, "quant.auto", interval=2, min_bytes=0)
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    for _ in range(7):
+        model.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert all(p.grad is not None and p.grad.isfinite().all() for p in model.c.parameters())
+    handle.remove()
