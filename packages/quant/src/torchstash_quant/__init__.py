@@ -1,7 +1,7 @@
 """torchstash-quant: activation quantization for torchstash.
 
 Strategies: ``quant.int8``, ``quant.int4``, ``quant.int2``, ``quant.int1`` (and ``quant`` with
-``bits=``), ``quant.mesa``, ``quant.fp8``. Each also stores ReLU results as exact sign bits
+``bits=``), ``quant.auto`` (mixed precision under a budget), ``quant.mesa``, ``quant.fp8``. Each also stores ReLU results as exact sign bits
 and bool masks as bits. Found through the ``torchstash.plugins`` entry point ``quant``.
 """
 

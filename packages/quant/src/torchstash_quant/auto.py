@@ -39,7 +39,7 @@ from torchstash.site import Site
 
 from ._options import BITS, check_group_size
 from .groupwise import GroupQuantizer
-from .rows import PLANE_NORM_OPS, ROW_NORM_OPS, aligned_group_size, normalized_run
+from .rows import PLANE_NORM_OPS, ROW_NORM_OPS
 
 CONTRACTION_OPS = frozenset({"linear", "conv", "matmul"})
 ELEMENTWISE_OPS = frozenset(
@@ -223,8 +223,6 @@ class AutoQuantizer(BaseCompressor):
                 self._next_step()
             self._seen.add(key)
             measuring = self._measuring
-        if group_size is None and site.op in ROW_NORM_OPS | PLANE_NORM_OPS:
-            group_size = aligned_group_size(normalized_run(x, site), self.group_size)
         width = bits or self.bits_for(site)
         packed = self.codec.compress(x, site, bits=width, group_size=group_size)
         if measuring and x.numel() > 0:
@@ -343,17 +341,7 @@ def allocate(sites: dict[str, Need], candidates: tuple[int, ...], budget: float)
         lo, hi = min(sens) * 1e-6, max(sens) * 10.0
         for i in range(48):
             price = lo * (hi / lo) ** (i / 47)
-            starts.append(
-                {
-                    k: min(
-                        bs,
-                        key=lambda b, k=k: (
-                            level_error(sites[k].sensitivity, b) + price * sites[k].numel * b
-                        ),
-                    )
-                    for k, bs in allowed.items()
-                }
-            )
+            starts.append({k: _cheapest(sites[k], bs, price) for k, bs in allowed.items()})
     best: dict[str, int] | None = None
     best_error = float("inf")
     for start in starts:
@@ -370,6 +358,11 @@ def allocate(sites: dict[str, Need], candidates: tuple[int, ...], budget: float)
         average=spent / total if total else 0.0,
         error={k: level_error(sites[k].sensitivity, b) for k, b in best.items()},
     )
+
+
+def _cheapest(need: Need, options: list[int], price: float) -> int:
+    """The width with the least error plus ``price`` per stored bit."""
+    return min(options, key=lambda b: level_error(need.sensitivity, b) + price * need.numel * b)
 
 
 def _fill(
@@ -413,7 +406,7 @@ def _swap(
 ) -> dict[str, int]:
     """Improve ``bits`` by widening one site, paid for by narrowing the sites that lose the
     least error per freed bit; the best such move first, until none helps."""
-    spent = sum(sites[k].numel * b for k, b in bits.items())
+    spent = float(sum(sites[k].numel * b for k, b in bits.items()))
     for _ in range(rounds):
         ups, downs = [], []
         for k, b in bits.items():
