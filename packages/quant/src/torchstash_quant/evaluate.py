@@ -9,6 +9,7 @@ come from this command.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +36,21 @@ def _grads(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"quant.auto:budget=3"`` -> ``("quant.auto", {"budget": 3})`` (values as Python literals)."""
+    name, _, rest = spec.partition(":")
+    options: dict[str, Any] = {}
+    for item in filter(None, rest.split(";")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise SystemExit(f"strategy {spec!r}: write options as name:key=value;key=value")
+        try:
+            options[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            options[key.strip()] = value.strip()
+    return name.strip(), options
+
+
 def evaluate_one(entry: ZooEntry, strategy: str, batch: int | None = None) -> dict[str, Any]:
     x, y = entry.batch(batch or entry.batch_size, torch.device("cpu"))
     torch.manual_seed(0)
@@ -47,10 +63,11 @@ def evaluate_one(entry: ZooEntry, strategy: str, batch: int | None = None) -> di
         entry.loss(model, x, y).backward()
 
     # Two warm-up steps: running estimates (mesa) and allocations (auto) settle on the batch.
-    report = ts.measure(model, step, strategy, warmup=2, repeat=1)
+    name, options = parse_spec(strategy)
+    report = ts.measure(model, step, name, warmup=2, repeat=1, **options)
     cosine = torch.nn.functional.cosine_similarity(ref.double(), _grads(model).double(), dim=0)
     with torch.autocast("cpu", torch.bfloat16):
-        bf16 = ts.measure(model, step, strategy, warmup=2, repeat=1)
+        bf16 = ts.measure(model, step, name, warmup=2, repeat=1, **options)
     return {
         "model": entry.name,
         "strategy": strategy,
@@ -85,7 +102,11 @@ def table(rows: list[dict[str, Any]], scale: str) -> Table:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torchstash_quant.evaluate")
     parser.add_argument("--scale", default="small", choices=["tiny", "small", "base"])
-    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        help="comma-separated; options as name:key=value;key=value (quant.auto:budget=3)",
+    )
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
     rows = evaluate(args.scale, [s for s in args.strategies.split(",") if s])
