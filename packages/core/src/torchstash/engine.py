@@ -99,7 +99,6 @@ class _Entry:
         "__weakref__",
         "compressor",
         "site",
-        "site_shape",
         "source",
         "value",
         "variant",
@@ -119,7 +118,6 @@ class _Entry:
         self.compressor = compressor
         self.variant = variant
         self.site = site
-        self.site_shape = tuple(source.shape) if source is not None else ()
         self.version = version
         self.source: Callable[[], torch.Tensor | None] = (
             weakref.ref(source) if source is not None else lambda: None
@@ -299,8 +297,8 @@ class Engine:
                 and hit.variant == variant
             ):
                 row.shared += 1
-                shape = tuple(t.shape)
-                return _Saved(hit, None if shape == tuple(hit.site_shape) else shape)
+                shape = tuple(t.shape)  # the stored value (tensor or Packed) has its shape
+                return _Saved(hit, None if shape == tuple(hit.value.shape) else shape)
         entry = self._store(t, site, row, nbytes, compressor, reason)
         entry.variant = variant
         if key is not None:
