@@ -100,6 +100,7 @@ class OpState(threading.local):
         self.op = ""
         self.raw = ""
         self.args: Sequence[Any] = ()
+        self.kwargs: dict[str, Any] = {}
         self.depth = 0  # trackers active on this thread
         self.call_id = 0  # increments at every tracked call
         #: (call id, callback) pairs waiting for that call's result; see :func:`on_result`
@@ -122,15 +123,16 @@ class OpTracker(TorchFunctionMode):
         if not torch.is_grad_enabled():  # nothing is saved: no work
             return func(*args, **(kwargs or {}))
         state = STATE
-        prev = (state.op, state.raw, state.args)
+        kwargs = kwargs or {}
+        prev = (state.op, state.raw, state.args, state.kwargs)
         state.op, state.raw = op_names(func)
-        state.args = args
+        state.args, state.kwargs = args, kwargs
         state.call_id += 1
         call_id = state.call_id
         try:
-            result = func(*args, **(kwargs or {}))
+            result = func(*args, **kwargs)
         finally:
-            state.op, state.raw, state.args = prev
+            state.op, state.raw, state.args, state.kwargs = prev
         if state.waiting:
             _deliver(state, call_id, result)
         return result
@@ -153,6 +155,17 @@ def _deliver(state: OpState, call_id: int, result: Any) -> None:
     state.waiting = [(cid, cb) for cid, cb in state.waiting if cid > call_id]
     for callback in due:
         callback(result)
+
+
+def op_argument(name: str, position: int, default: Any = None) -> Any:
+    """An argument of the op running now, by keyword or position (a GELU's ``approximate``):
+    for a code whose meaning depends on how the op was called."""
+    state = STATE
+    if name in state.kwargs:
+        return state.kwargs[name]
+    if len(state.args) > position:
+        return state.args[position]
+    return default
 
 
 def role_of(t: torch.Tensor) -> str:

@@ -28,3 +28,21 @@ def check_fraction(value: object, name: str, strategy: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
         raise OptionError(f"{strategy}: option {name}={value!r} must be a number in [0, 1)")
     return float(value)
+
+
+DERIV_BITS = (2, 4, 8)
+
+
+def check_deriv_bits(value: object, strategy: str, default: int | None) -> int | None:
+    """``deriv_bits``: width of GELU/SiLU derivative codes; ``"auto"`` gives ``default``,
+    None keeps their inputs as values."""
+    if value == "auto":
+        return default
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value not in DERIV_BITS:
+        raise OptionError(
+            f"{strategy}: option deriv_bits={value!r} must be 2, 4, 8, 'auto' or None "
+            f"(None stores GELU/SiLU inputs as values)"
+        )
+    return value

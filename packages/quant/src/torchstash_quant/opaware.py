@@ -8,6 +8,8 @@ normalizes the saved input again, so a group must not mix two rows' scales. A va
 that takes a per-tensor ``group_size`` gets groups aligned to the normalized rows
 (:mod:`.rows`); where none fits (BatchNorm on 2x2 maps) the ``norms`` codec (``norm_bits``)
 takes the tensor instead.
+Inputs of GELU and SiLU: with ``deriv_bits`` set, a code of their derivative
+(:mod:`.derivs`) instead of the values.
 (Softmax already saves only its output, and the engine stores a tensor saved by several
 ops once, so an attention map is never kept twice.)
 """
@@ -20,6 +22,8 @@ from torchstash.compressor import BaseCompressor, Compressor
 from torchstash.packed import Packed
 from torchstash.site import Site
 
+from .derivs import CODEC as DERIV_CODEC
+from .derivs import DERIV_OPS, current_approximate, pack_derivative, unpack_derivative
 from .masks import (
     DROPOUT_OPS,
     SIGN_OPS,
@@ -39,9 +43,13 @@ NORM_OPS = frozenset({"layer_norm", "group_norm", "rms_norm", "batch_norm"})
 class OpAware(BaseCompressor):
     lossless = False
 
-    def __init__(self, values: Compressor, norms: Compressor | None = None) -> None:
+    def __init__(
+        self, values: Compressor, norms: Compressor | None = None, deriv_bits: int | None = None
+    ) -> None:
         self.values = values
         self.norms = norms
+        #: width of GELU/SiLU derivative codes (None: their inputs go to the value codec)
+        self.deriv_bits = deriv_bits
         self.name = values.name
         self.composable = getattr(values, "composable", None)
         #: the value codec takes ``group_size=`` per tensor (see :meth:`_norm_group_size`)
@@ -53,6 +61,16 @@ class OpAware(BaseCompressor):
         group_size = getattr(self.values, "group_size", 256)
         return aligned_group_size(normalized_run(x, site), group_size)
 
+    def _row_group_size(self, x: torch.Tensor) -> int | None:
+        """A group size that keeps each group inside one row (innermost dimension), where
+        that costs at most twice the scales: tokens of different scale then never share a
+        step (on the GPT at 4 bits, the LM head's 128-wide rows: cosine 0.9895 to 0.9906)."""
+        if not self._aligns or x.dim() < 2 or x.stride(-1) != 1:
+            return None
+        group_size = getattr(self.values, "group_size", 256)
+        aligned = aligned_group_size(int(x.shape[-1]), group_size)
+        return aligned if aligned is not None and 2 * aligned >= group_size else None
+
     def variant(self, x: torch.Tensor, site: Site) -> str:
         if x.dtype == torch.bool:
             return "bool"
@@ -60,6 +78,13 @@ class OpAware(BaseCompressor):
             return "sign"
         if site.op in DROPOUT_OPS and site.role == "output" and x.is_floating_point():
             return "dropmask"
+        if (
+            self.deriv_bits is not None
+            and site.op in DERIV_OPS
+            and site.role == "input"
+            and x.is_floating_point()
+        ):
+            return "deriv"
         if site.op in NORM_OPS and (self.norms is not None or self._aligns):
             return "norm"
         return ""
@@ -82,6 +107,9 @@ class OpAware(BaseCompressor):
             return pack_sign(x)
         if kind == "dropmask":
             return pack_scaled_mask(x)
+        if kind == "deriv":
+            assert self.deriv_bits is not None
+            return pack_derivative(x, site.op, self.deriv_bits, current_approximate(site.op))
         if kind == "norm":
             aligned = self._norm_group_size(x, site)
             if aligned is not None:
@@ -91,6 +119,9 @@ class OpAware(BaseCompressor):
             if isinstance(packed, Packed):
                 packed.meta["norm"] = True
             return packed
+        rows = self._row_group_size(x)
+        if rows is not None:
+            return self.values.compress(x, site, group_size=rows)  # type: ignore[call-arg]
         return self.values.compress(x, site)
 
     def decompress(self, packed: Packed) -> torch.Tensor:
@@ -100,6 +131,8 @@ class OpAware(BaseCompressor):
             return unpack_sign(packed)
         if packed.codec == "quant.scaled_mask":
             return unpack_scaled_mask(packed)
+        if packed.codec == DERIV_CODEC:
+            return unpack_derivative(packed)
         if packed.meta.get("norm") and self.norms is not None:
             return self.norms.decompress(packed)
         return self.values.decompress(packed)

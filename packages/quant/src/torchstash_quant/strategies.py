@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ._options import check_deriv_bits
 from .auto import AutoQuantizer
 from .fp8 import Fp8Quantizer
 from .groupwise import GroupQuantizer
@@ -20,12 +21,15 @@ def quant(
     stochastic: bool = True,
     seed: int | None = None,
     norm_bits: int | str | None = "auto",
+    deriv_bits: int | str | None = "auto",
 ) -> OpAware:
     """Per-group quantization at ``bits`` (1, 2, 4 or 8), plus exact 1-bit ReLU and mask codes;
     inputs of normalization ops at ``norm_bits`` (``"auto"``: 8 when ``bits`` is 4, 4 below;
-    None: at ``bits`` like everything else)."""
+    None: at ``bits`` like everything else); GELU/SiLU inputs as derivative codes of
+    ``deriv_bits`` (``"auto"``: ``bits``, at least 2)."""
     name = f"quant.int{bits}"
     values = GroupQuantizer(bits, group_size, stochastic, seed, name=name)
+    derivs = check_deriv_bits(deriv_bits, name, max(2, values.bits))
     if norm_bits == "auto":
         norm_bits = {8: None, 4: 8}.get(bits, 4)
     elif norm_bits is not None and not isinstance(norm_bits, int):
@@ -37,7 +41,7 @@ def quant(
     norms = None
     if norm_bits is not None and norm_bits != bits:
         norms = GroupQuantizer(norm_bits, group_size, stochastic, seed, name=name)
-    return OpAware(values, norms)
+    return OpAware(values, norms, derivs)
 
 
 def _fixed(bits: int) -> object:
@@ -46,8 +50,9 @@ def _fixed(bits: int) -> object:
         stochastic: bool = True,
         seed: int | None = None,
         norm_bits: int | str | None = "auto",
+        deriv_bits: int | str | None = "auto",
     ) -> OpAware:
-        return quant(bits, group_size, stochastic, seed, norm_bits)
+        return quant(bits, group_size, stochastic, seed, norm_bits, deriv_bits)
 
     factory.__name__ = f"int{bits}"
     return factory
@@ -71,9 +76,13 @@ def auto(
     interval: int = 20,
     stochastic: bool = True,
     seed: int | None = None,
+    deriv_bits: int | str | None = "auto",
 ) -> OpAware:
-    """Mixed precision: ``budget`` average bits, re-allocated every ``interval`` steps."""
-    return OpAware(AutoQuantizer(budget, bits, group_size, interval, stochastic, seed))
+    """Mixed precision: ``budget`` average bits, re-allocated every ``interval`` steps; GELU/SiLU
+    inputs as derivative codes of ``deriv_bits`` (``"auto"``: 4 from a budget of 4, else 2)."""
+    values = AutoQuantizer(budget, bits, group_size, interval, stochastic, seed)
+    derivs = check_deriv_bits(deriv_bits, "quant.auto", 4 if values.budget >= 4 else 2)
+    return OpAware(values, deriv_bits=derivs)
 
 
 def fp8(group_size: int = 256) -> OpAware:

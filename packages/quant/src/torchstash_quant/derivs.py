@@ -1,0 +1,156 @@
+"""Derivative codes for GELU and SiLU: store a few bits of f'(x) instead of x (Few-Bit Backward).
+
+The backward of an elementwise activation reads its saved input only through f'(x). So the
+code is f'(x) rounded to the nearest of ``2**bits - 1`` levels, and what unpacking restores is,
+for each level, an input ``r`` with ``f'(r)`` equal to that level: stock autograd then
+computes the coded derivative exactly, with no custom backward. The levels minimize the mean
+squared derivative error for inputs drawn from N(0, 1) (Lloyd-Max on f'(X)); each ``r``
+lies on the branch where f' rises monotonically, so every level has one.
+
+The last code stands for a non-finite input, restored as NaN: stock PyTorch's derivative at
+NaN and at +-Inf is NaN, so an overflow still reaches GradScaler.
+
+Measured on N(0, sigma) inputs (sigma 0.5 to 3), the relative error of the derivative is
+0.12-0.24 at 2 bits and 0.03-0.04 at 4 bits; stochastic rounding of the input itself gives
+0.41-0.63 and 0.09-0.20 at the same widths.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from torchstash.kernels import pack_bits, unpack_bits
+from torchstash.optrack import op_argument
+from torchstash.packed import Packed
+
+#: Ops whose saved input is read in backward only through their derivative.
+DERIV_OPS = frozenset({"gelu", "silu"})
+#: Widths a derivative code can take (one code is kept for non-finite inputs).
+DERIV_BITS = (2, 4, 8)
+CODEC = "quant.deriv"
+
+_GRID_HALF_WIDTH = 8.0
+_GRID_POINTS = 16001
+_LLOYD_ITERATIONS = 100
+
+
+def derivative(op: str, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """f'(x) as stock autograd computes it, in ``x``'s dtype."""
+    one = torch.ones((), dtype=x.dtype, device=x.device).expand_as(x)
+    if op == "gelu":
+        return torch.ops.aten.gelu_backward(one, x, approximate=approximate)
+    if op == "silu":
+        return torch.ops.aten.silu_backward(one, x)
+    raise ValueError(f"no derivative code for op {op!r}; known: {sorted(DERIV_OPS)}")
+
+
+@dataclass(frozen=True)
+class DerivTable:
+    """Levels of f' a code can take, the inputs that restore them, and the cuts between."""
+
+    levels: torch.Tensor  # float64, ascending, distinct: up to 2**bits - 1 of them
+    inputs: torch.Tensor  # 2**bits, in the target dtype: code i restores inputs[i]; the last NaN
+    cuts: torch.Tensor  # midpoints between levels, in the target dtype
+
+
+def _lloyd_levels(d: torch.Tensor, w: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` levels minimizing the w-weighted squared error of rounding ``d``."""
+    order = d.argsort()
+    cdf = w[order].cumsum(0) / w.sum()
+    quantiles = (torch.arange(count, dtype=d.dtype) + 0.5) / count
+    levels = d[order][torch.searchsorted(cdf, quantiles).clamp(max=d.numel() - 1)]
+    for _ in range(_LLOYD_ITERATIONS):
+        index = torch.bucketize(d, (levels[1:] + levels[:-1]) / 2)
+        mass = torch.zeros(count, dtype=d.dtype).index_add_(0, index, w)
+        total = torch.zeros(count, dtype=d.dtype).index_add_(0, index, w * d)
+        levels = torch.where(mass > 0, total / mass.clamp(min=1e-300), levels).sort().values
+    return levels
+
+
+def _solve_on_rising_branch(
+    op: str, approximate: str, levels: torch.Tensor, lo: float, hi: float
+) -> torch.Tensor:
+    """For each level, the x in [lo, hi] (where f' rises) with f'(x) = level, by bisection."""
+    a = torch.full_like(levels, lo)
+    b = torch.full_like(levels, hi)
+    for _ in range(80):
+        mid = (a + b) / 2
+        below = derivative(op, mid, approximate) < levels
+        a = torch.where(below, mid, a)
+        b = torch.where(below, b, mid)
+    return (a + b) / 2
+
+
+@functools.lru_cache(maxsize=64)
+def _table_cpu(op: str, approximate: str, bits: int, dtype: torch.dtype) -> DerivTable:
+    grid = torch.linspace(-_GRID_HALF_WIDTH, _GRID_HALF_WIDTH, _GRID_POINTS, dtype=torch.float64)
+    d = derivative(op, grid, approximate)
+    w = torch.exp(-grid * grid / 2)
+    lo, hi = float(grid[d.argmin()]), float(grid[d.argmax()])
+    wanted = _lloyd_levels(d, w, 2**bits - 1)
+    # Inputs in the target dtype, and the levels they really give there (stock's kernel).
+    inputs = _solve_on_rising_branch(op, approximate, wanted, lo, hi).to(dtype)
+    levels = derivative(op, inputs, approximate).to(torch.float64)
+    # At 8 bits in half precision, neighbouring inputs can round to one value: keep one each.
+    levels, first = _unique_sorted(levels)
+    inputs = inputs[first]
+    cuts = ((levels[1:] + levels[:-1]) / 2).to(dtype)
+    # Index 2**bits - 1 is the non-finite code; slots no level took are never coded.
+    pad = inputs[-1:].expand(2**bits - 1 - inputs.numel())
+    nan = torch.full((1,), math.nan, dtype=dtype)
+    return DerivTable(levels, torch.cat([inputs, pad, nan]), cuts)
+
+
+def _unique_sorted(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct values ascending, and the index of one occurrence of each."""
+    values, order = values.sort()
+    keep = torch.ones_like(values, dtype=torch.bool)
+    keep[1:] = values[1:] != values[:-1]
+    return values[keep], order[keep]
+
+
+_on_device: dict[tuple[str, str, int, torch.dtype, torch.device], DerivTable] = {}
+
+
+def table(
+    op: str, bits: int, dtype: torch.dtype, device: torch.device, approximate: str = "none"
+) -> DerivTable:
+    """The code table for ``op`` at ``bits``, built once per dtype and kept on ``device``."""
+    key = (op, approximate, bits, dtype, device)
+    hit = _on_device.get(key)
+    if hit is None:
+        cpu = _table_cpu(op, approximate, bits, dtype)
+        hit = DerivTable(cpu.levels, cpu.inputs.to(device), cpu.cuts.to(device))
+        _on_device[key] = hit
+    return hit
+
+
+def current_approximate(op: str) -> str:
+    """The GELU variant the running op was called with (``"none"`` or ``"tanh"``)."""
+    if op != "gelu":
+        return "none"
+    return str(op_argument("approximate", 1, "none"))
+
+
+def pack_derivative(x: torch.Tensor, op: str, bits: int, approximate: str = "none") -> Packed:
+    t = table(op, bits, x.dtype, x.device, approximate)
+    d = derivative(op, x.detach(), approximate)
+    codes = torch.bucketize(d, t.cuts, out_int32=True)
+    codes = codes.masked_fill_(d.isnan(), 2**bits - 1).to(torch.uint8)
+    p = Packed.like(x, CODEC, codes=pack_bits(codes, bits))
+    p.meta.update(op=op, bits=bits, approximate=approximate)
+    return p
+
+
+def unpack_derivative(packed: Packed) -> torch.Tensor:
+    op, bits, approximate = packed.meta["op"], packed.meta["bits"], packed.meta["approximate"]
+    assert isinstance(op, str) and isinstance(bits, int) and isinstance(approximate, str)
+    codes = packed.tensors["codes"]
+    assert isinstance(codes, torch.Tensor)
+    t = table(op, bits, packed.dtype, packed.device, approximate)
+    index = unpack_bits(codes, bits, packed.numel).to(torch.int32)
+    return t.inputs[index].view(packed.shape)

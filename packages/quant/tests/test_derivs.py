@@ -1,0 +1,130 @@
+"""GELU/SiLU derivative codes: the restored input gives the coded derivative exactly, the code
+beats quantizing the input, non-finite inputs stay NaN, and other ops never see the code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import torchstash as ts
+from torchstash.errors import OptionError
+from torchstash_quant.derivs import derivative, pack_derivative, table, unpack_derivative
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+FUNCS = [("gelu", "none"), ("gelu", "tanh"), ("silu", "none")]
+
+
+def relative_error(op: str, approximate: str, x: torch.Tensor, restored: torch.Tensor) -> float:
+    d = derivative(op, x.double(), approximate)
+    got = derivative(op, restored, approximate).double()
+    return float((got - d).norm() / d.norm())
+
+
+@pytest.mark.parametrize(("op", "approximate"), FUNCS)
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_restored_inputs_give_the_levels_exactly(
+    op: str, approximate: str, bits: int, dtype: torch.dtype
+) -> None:
+    t = table(op, bits, dtype, torch.device("cpu"), approximate)
+    assert bool((t.levels.diff() > 0).all()) and t.inputs.numel() == 2**bits
+    # every level is there unless the dtype cannot tell neighbouring inputs apart
+    assert t.levels.numel() == 2**bits - 1 or (bits == 8 and dtype != torch.float32)
+    assert t.levels.numel() > 2 ** (bits - 1)
+    got = derivative(op, t.inputs[: t.levels.numel()], approximate).double()
+    assert torch.equal(got, t.levels)
+    assert t.inputs[-1].isnan()
+
+
+@pytest.mark.parametrize(("op", "approximate"), FUNCS)
+@pytest.mark.parametrize(("bits", "bound"), [(2, 0.26), (4, 0.05), (8, 0.005)])
+def test_code_rounds_to_the_nearest_level(
+    op: str, approximate: str, bits: int, bound: float
+) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4096) * 1.5
+    packed = pack_derivative(x, op, bits, approximate)
+    assert packed.nbytes() == 4096 * bits // 8
+    restored = unpack_derivative(packed)
+    t = table(op, bits, x.dtype, x.device, approximate)
+    d = derivative(op, x, approximate).double()
+    nearest = t.levels[(d[:, None] - t.levels[None, :]).abs().argmin(1)]
+    coded = derivative(op, restored, approximate).double()
+    # ties at a cut may go either way in the input's precision
+    assert float((coded - nearest).abs().max()) <= float(t.levels.diff().max()) / 2 + 1e-6
+    assert relative_error(op, approximate, x, restored) < bound
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_finite_inputs_give_nan_like_stock(dtype: torch.dtype) -> None:
+    x = torch.randn(512, dtype=dtype)
+    x[3], x[10], x[77] = float("nan"), float("inf"), -float("inf")
+    restored = unpack_derivative(pack_derivative(x, "gelu", 2))
+    d = derivative("gelu", restored)
+    assert torch.equal(d.isnan(), derivative("gelu", x).isnan())
+    assert int(d.isnan().sum()) == 3
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_derivative_code_beats_quantizing_the_input(bits: int) -> None:
+    """Measured through autograd: the input gradient of GELU under int``bits``."""
+    torch.manual_seed(0)
+    x = (torch.randn(64, 512) * 1.5).requires_grad_()
+    g = torch.randn(64, 512)
+    (ref,) = torch.autograd.grad(F.gelu(x), x, g)
+    errors = {}
+    for deriv_bits in (bits, None):
+        with ts.stash(f"quant.int{bits}", deriv_bits=deriv_bits, min_bytes=0):
+            y = F.gelu(x * 1.0)  # an activation (a leaf that requires grad counts as a weight)
+        (got,) = torch.autograd.grad(y, x, g)
+        errors[deriv_bits] = float((got - ref).norm() / ref.norm())
+    assert errors[bits] < errors[None] / 2, errors
+
+
+def test_gelu_tanh_is_coded_with_its_own_derivative() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.GELU(approximate="tanh"), nn.Linear(256, 4))
+    x = torch.randn(64, 32)
+    with ts.apply(model, "quant.int8", min_bytes=0) as h:
+        model(x).sum().backward()
+    (entry,) = [r for r in h.tally.rows.values() if r.module_type == "GELU"]
+    assert entry.compressed == 1 and entry.stored_bytes == 64 * 256
+    packed = pack_derivative(torch.randn(8), "gelu", 4, "tanh")
+    assert packed.meta["approximate"] == "tanh"
+
+
+def test_silu_and_gelu_inputs_take_deriv_bits() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.SiLU(), nn.Linear(256, 256), nn.GELU())
+    x = torch.randn(64, 32)
+    with ts.apply(model, "quant.int2", min_bytes=0) as h:
+        model(x).sum().backward()
+    for name in ("1", "3"):
+        row = h.tally.rows[name]
+        assert row.compressed == 1 and row.stored_bytes == 64 * 256 * 2 // 8, row
+
+
+def test_the_code_never_stands_in_for_values_another_op_saved() -> None:
+    """``x`` feeds GELU and a matmul: the matmul's weight gradient needs the real values."""
+    torch.manual_seed(0)
+    leaf = torch.randn(128, 256, requires_grad=True)
+    w = torch.randn(256, 8, requires_grad=True)
+
+    def loss() -> torch.Tensor:
+        x = leaf * 1.0
+        return (F.gelu(x).sum(1, keepdim=True) * (x @ w)).square().sum()
+
+    (ref,) = torch.autograd.grad(loss(), w)
+    with ts.stash("quant.int8", min_bytes=0) as s:
+        value = loss()
+    (got,) = torch.autograd.grad(value, w)
+    assert F.cosine_similarity(ref.flatten(), got.flatten(), dim=0) > 0.999
+    assert sum(r.compressed for r in s.tally.rows.values()) >= 2  # stored twice, two ways
+
+
+@pytest.mark.parametrize("value", [3, 1, "two", True])
+def test_bad_deriv_bits_name_the_option(value: object) -> None:
+    with pytest.raises(OptionError, match=r"deriv_bits=.* must be 2, 4, 8, 'auto' or None"):
+        ts.apply(nn.Linear(4, 4), "quant.int2", deriv_bits=value)
