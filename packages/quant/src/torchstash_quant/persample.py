@@ -57,7 +57,7 @@ def gains(scale: str = "small", widths: Sequence[int] = (2, 4)) -> list[dict[str
         model = entry.build()
         ranges: list[torch.Tensor] = []
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        def pack(t: torch.Tensor, ranges: list[torch.Tensor] = ranges) -> torch.Tensor:
             if t.is_floating_point() and t.dim() >= 2 and t.numel() >= 4096 and not t.is_leaf:
                 flat = t.detach().reshape(t.shape[0], -1).float()
                 ranges.append((flat.amax(1) - flat.amin(1)).square())
