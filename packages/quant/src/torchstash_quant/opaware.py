@@ -16,6 +16,8 @@ ops once, so an attention map is never kept twice.)
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from torchstash.compressor import BaseCompressor, Compressor
@@ -34,7 +36,7 @@ from .masks import (
     unpack_scaled_mask,
     unpack_sign,
 )
-from .rows import aligned_group_size, normalized_run
+from .rows import aligned_group_size, channel_major_run, normalized_run
 
 #: Ops whose backward amplifies an error in their saved input (it is normalized again).
 NORM_OPS = frozenset({"layer_norm", "group_norm", "rms_norm", "batch_norm"})
@@ -60,6 +62,14 @@ class OpAware(BaseCompressor):
             return None
         group_size = getattr(self.values, "group_size", 256)
         return aligned_group_size(normalized_run(x, site), group_size)
+
+    def _channel_major_group_size(self, x: torch.Tensor, site: Site) -> int | None:
+        """Group size for a BatchNorm input stored channel-major (see :mod:`.rows`), when its
+        planes are too short to hold a group."""
+        if not self._aligns:
+            return None
+        group_size = getattr(self.values, "group_size", 256)
+        return aligned_group_size(channel_major_run(x, site), group_size)
 
     def _row_group_size(self, x: torch.Tensor) -> int | None:
         """A group size that keeps each group inside one row (innermost dimension), where
@@ -93,7 +103,12 @@ class OpAware(BaseCompressor):
         kind = self.variant(x, site)
         if site.op in NORM_OPS and site.role == "output":
             return [f"{site.op}'s saved statistics (mean, rstd) are small and kept exact"]
-        if kind == "norm" and self.norms is not None and self._norm_group_size(x, site) is None:
+        if (
+            kind == "norm"
+            and self.norms is not None
+            and self._norm_group_size(x, site) is None
+            and self._channel_major_group_size(x, site) is None
+        ):
             return self.norms.unsupported(x, site)
         if kind:
             return []
@@ -114,6 +129,14 @@ class OpAware(BaseCompressor):
             aligned = self._norm_group_size(x, site)
             if aligned is not None:
                 return self.values.compress(x, site, group_size=aligned)  # type: ignore[call-arg]
+            channel = self._channel_major_group_size(x, site)
+            if channel is not None:
+                packed = self.values.compress(  # type: ignore[call-arg]
+                    x.transpose(0, 1).contiguous(), site, group_size=channel
+                )
+                packed.shape = x.shape
+                packed.meta["channel_major"] = True
+                return packed
         if kind == "norm" and self.norms is not None:
             packed = self.norms.compress(x, site)
             if isinstance(packed, Packed):
@@ -133,6 +156,10 @@ class OpAware(BaseCompressor):
             return unpack_scaled_mask(packed)
         if packed.codec == DERIV_CODEC:
             return unpack_derivative(packed)
+        if packed.meta.get("channel_major"):
+            shape = packed.shape
+            swapped = replace(packed, shape=torch.Size([shape[1], shape[0], *shape[2:]]))
+            return self.values.decompress(swapped).transpose(0, 1)
         if packed.meta.get("norm") and self.norms is not None:
             return self.norms.decompress(packed)
         return self.values.decompress(packed)

@@ -34,6 +34,15 @@ def normalized_run(x: torch.Tensor, site: Site) -> int | None:
     return None
 
 
+def channel_major_run(x: torch.Tensor, site: Site) -> int | None:
+    """Elements of one BatchNorm channel (all samples) once ``x`` is stored channel-major,
+    ``(C, N, ...)``: on small maps (a ResNet's last stage, 2x2) a plane is too short for a
+    group, but a channel over the batch is not, and BatchNorm normalizes exactly over it."""
+    if site.op != "batch_norm" or x.dim() < 2 or not x.is_contiguous() or x.numel() == 0:
+        return None
+    return x.numel() // int(x.shape[1])
+
+
 def aligned_group_size(run: int | None, group_size: int) -> int | None:
     """A group size close to ``group_size`` whose groups each fall inside one run of ``run``
     elements, or None when no such size is worth its scales."""
