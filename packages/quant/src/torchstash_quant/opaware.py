@@ -6,8 +6,10 @@ of a byte; the scaled float mask CPU dropout saves: instead of four bytes).
 Inputs of normalization ops (LayerNorm, GroupNorm, RMSNorm, BatchNorm): their backward
 normalizes the saved input again, so a group must not mix two rows' scales. A value codec
 that takes a per-tensor ``group_size`` gets groups aligned to the normalized rows
-(:mod:`.rows`); where none fits (BatchNorm on 2x2 maps) the ``norms`` codec (``norm_bits``)
-takes the tensor instead.
+(:mod:`.rows`; a BatchNorm input on maps too small for that is stored channel-major, a
+group per channel over the batch); where none fits the ``norms`` codec (``norm_bits``)
+takes the tensor instead. Other tensors: groups inside one innermost row where that costs
+at most twice the scales.
 Inputs of GELU and SiLU: with ``deriv_bits`` set, a code of their derivative
 (:mod:`.derivs`) instead of the values.
 (Softmax already saves only its output, and the engine stores a tensor saved by several
