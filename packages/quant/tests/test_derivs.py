@@ -25,10 +25,11 @@ def relative_error(op: str, approximate: str, x: torch.Tensor, restored: torch.T
 @pytest.mark.parametrize(("op", "approximate"), FUNCS)
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("stochastic", [True, False])
 def test_restored_inputs_give_the_levels_exactly(
-    op: str, approximate: str, bits: int, dtype: torch.dtype
+    op: str, approximate: str, bits: int, dtype: torch.dtype, stochastic: bool
 ) -> None:
-    t = table(op, bits, dtype, torch.device("cpu"), approximate)
+    t = table(op, bits, dtype, torch.device("cpu"), approximate, stochastic)
     assert bool((t.levels.diff() > 0).all()) and t.inputs.numel() == 2**bits
     # every level is there unless the dtype cannot tell neighbouring inputs apart
     assert t.levels.numel() == 2**bits - 1 or (bits == 8 and dtype != torch.float32)
@@ -48,7 +49,7 @@ def test_code_rounds_to_the_nearest_level(
     packed = pack_derivative(x, op, bits, approximate)
     assert packed.nbytes() == 4096 * bits // 8
     restored = unpack_derivative(packed)
-    t = table(op, bits, x.dtype, x.device, approximate)
+    t = table(op, bits, x.dtype, x.device, approximate, stochastic=False)
     d = derivative(op, x, approximate).double()
     nearest = t.levels[(d[:, None] - t.levels[None, :]).abs().argmin(1)]
     coded = derivative(op, restored, approximate).double()
@@ -57,11 +58,46 @@ def test_code_rounds_to_the_nearest_level(
     assert relative_error(op, approximate, x, restored) < bound
 
 
+@pytest.mark.parametrize(("op", "approximate"), FUNCS)
+@pytest.mark.parametrize("bits", [2, 4])
+def test_stochastic_code_is_unbiased_and_brackets_the_derivative(
+    op: str, approximate: str, bits: int
+) -> None:
+    """Mean of the coded derivative over draws against f'(x): pooled z-scores below 5 for each
+    of 8 slices; and the test can fail: the nearest-level code is biased."""
+    torch.manual_seed(0)
+    x = torch.randn(2048) * 1.5
+    d = derivative(op, x, approximate).double()
+    t = table(op, bits, x.dtype, x.device, approximate, stochastic=True)
+
+    def draws(seed: int | None) -> torch.Tensor:
+        packed = pack_derivative(x, op, bits, approximate, seed)
+        return derivative(op, unpack_derivative(packed), approximate).double()
+
+    coded = torch.stack([draws(seed) for seed in range(200)])
+    gap = t.levels.diff().max()
+    assert float((coded - d).abs().max()) <= float(gap) + 1e-6  # one of its two levels
+
+    def unbiased(samples: torch.Tensor) -> bool:
+        err = samples - d
+        for part in torch.arange(x.numel()).chunk(8):
+            e = err[:, part]
+            var = e.var(dim=0).sum() * e.shape[0]
+            z = float(e.sum() / var.sqrt()) if var > 0 else float(e.sum() != 0) * 1e9
+            if abs(z) > 5:
+                return False
+        return True
+
+    assert unbiased(coded)
+    nearest = draws(None).expand(200, -1) + 1e-3 * torch.randn(200, x.numel(), dtype=torch.float64)
+    assert not unbiased(nearest)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_non_finite_inputs_give_nan_like_stock(dtype: torch.dtype) -> None:
     x = torch.randn(512, dtype=dtype)
     x[3], x[10], x[77] = float("nan"), float("inf"), -float("inf")
-    restored = unpack_derivative(pack_derivative(x, "gelu", 2))
+    restored = unpack_derivative(pack_derivative(x, "gelu", 2, seed=7))
     d = derivative("gelu", restored)
     assert torch.equal(d.isnan(), derivative("gelu", x).isnan())
     assert int(d.isnan().sum()) == 3
@@ -87,12 +123,21 @@ def test_gelu_tanh_is_coded_with_its_own_derivative() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 256), nn.GELU(approximate="tanh"), nn.Linear(256, 4))
     x = torch.randn(64, 32)
-    with ts.apply(model, "quant.int8", min_bytes=0) as h:
+    with ts.apply(model, "quant.int8", deriv_bits=8, min_bytes=0) as h:
         model(x).sum().backward()
     (entry,) = [r for r in h.tally.rows.values() if r.module_type == "GELU"]
     assert entry.compressed == 1 and entry.stored_bytes == 64 * 256
     packed = pack_derivative(torch.randn(8), "gelu", 4, "tanh")
     assert packed.meta["approximate"] == "tanh"
+
+
+def test_deriv_bits_auto_follows_the_width() -> None:
+    from torchstash_quant.strategies import DERIV_DEFAULT, auto, quant
+
+    for bits, width in DERIV_DEFAULT.items():
+        derivs = quant(bits).derivs
+        assert (derivs.bits if derivs else None) == width
+    assert auto(budget=2).derivs is not None and auto(budget=4).derivs is None
 
 
 def test_silu_and_gelu_inputs_take_deriv_bits() -> None:

@@ -27,7 +27,7 @@ from torchstash.packed import Packed
 from torchstash.site import Site
 
 from .derivs import CODEC as DERIV_CODEC
-from .derivs import DERIV_OPS, current_approximate, pack_derivative, unpack_derivative
+from .derivs import DERIV_OPS, DerivCoder, unpack_derivative
 from .masks import (
     DROPOUT_OPS,
     SIGN_OPS,
@@ -48,12 +48,12 @@ class OpAware(BaseCompressor):
     lossless = False
 
     def __init__(
-        self, values: Compressor, norms: Compressor | None = None, deriv_bits: int | None = None
+        self, values: Compressor, norms: Compressor | None = None, derivs: DerivCoder | None = None
     ) -> None:
         self.values = values
         self.norms = norms
-        #: width of GELU/SiLU derivative codes (None: their inputs go to the value codec)
-        self.deriv_bits = deriv_bits
+        #: GELU/SiLU derivative codes (None: their inputs go to the value codec)
+        self.derivs = derivs
         self.name = values.name
         self.composable = getattr(values, "composable", None)
         #: the value codec takes ``group_size=`` per tensor (see :meth:`_norm_group_size`)
@@ -91,7 +91,7 @@ class OpAware(BaseCompressor):
         if site.op in DROPOUT_OPS and site.role == "output" and x.is_floating_point():
             return "dropmask"
         if (
-            self.deriv_bits is not None
+            self.derivs is not None
             and site.op in DERIV_OPS
             and site.role == "input"
             and x.is_floating_point()
@@ -125,8 +125,8 @@ class OpAware(BaseCompressor):
         if kind == "dropmask":
             return pack_scaled_mask(x)
         if kind == "deriv":
-            assert self.deriv_bits is not None
-            return pack_derivative(x, site.op, self.deriv_bits, current_approximate(site.op))
+            assert self.derivs is not None
+            return self.derivs.pack(x, site)
         if kind == "norm":
             aligned = self._norm_group_size(x, site)
             if aligned is not None:
