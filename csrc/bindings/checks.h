@@ -105,6 +105,73 @@ inline groupquant::FloatKind check_group_dequantize(const at::Tensor& packed, co
   return float_kind(op, "dtype", dtype);
 }
 
+// ---------------------------------------------------------------- channel-wise layout
+
+inline void check_inner(const char* op, std::int64_t inner) {
+  TORCH_CHECK_VALUE(inner >= 1, "torchstash::", op, ": inner must be >= 1 (got ", inner,
+                    "); it is the number of consecutive elements of one channel: N * D for the heads of a "
+                    "contiguous (B, H, N, D) tensor, 1 for the last dim");
+}
+
+// n elements read as (n / (inner * channels), channels, inner), without forming inner * channels.
+inline void check_channel_layout(const char* op, const char* what, std::int64_t n, std::int64_t inner,
+                                 std::int64_t channels) {
+  TORCH_CHECK_VALUE(n % inner == 0 && (n / inner) % channels == 0, "torchstash::", op, ": ", what, " has ", n,
+                    " elements, not a multiple of inner * channels (", inner, " * ", channels,
+                    "); pass the inner and channel count of its layout");
+}
+
+// lo and step: float32, 1-D, one entry per channel (>= 1), on `device`. Returns the channel count.
+inline std::int64_t check_channel_params(const char* op, const at::Tensor& lo, const at::Tensor& step,
+                                         const char* owner, const at::Device& device) {
+  for (const at::Tensor* t : {&lo, &step}) {
+    const char* name = t == &lo ? "lo" : "step";
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, "torchstash::", op, ": ", name, " must be float32 (got ",
+                     t->scalar_type(), "); convert it with .float()");
+    TORCH_CHECK_VALUE(t->dim() == 1 && t->numel() >= 1, "torchstash::", op, ": ", name,
+                      " must be 1-D with one entry per channel, got shape ", t->sizes());
+    TORCH_CHECK_VALUE(t->device() == device, "torchstash::", op, ": ", name, " is on ", t->device(), " but ", owner,
+                      " is on ", device, "; keep the three tensors on one device");
+  }
+  TORCH_CHECK_VALUE(lo.numel() == step.numel(), "torchstash::", op,
+                    ": lo and step must have one entry per channel each, got ", lo.numel(), " and ", step.numel());
+  return lo.numel();
+}
+
+inline groupquant::FloatKind check_channel_minmax(const at::Tensor& x, std::int64_t inner, std::int64_t channels) {
+  constexpr const char* op = "channel_minmax";
+  const groupquant::FloatKind kind = float_kind(op, "x", x.scalar_type());
+  check_inner(op, inner);
+  TORCH_CHECK_VALUE(channels >= 1, "torchstash::", op, ": channels must be >= 1 (got ", channels, ")");
+  check_channel_layout(op, "x", x.numel(), inner, channels);
+  return kind;
+}
+
+inline groupquant::FloatKind check_channel_quantize(const at::Tensor& x, const at::Tensor& lo,
+                                                    const at::Tensor& step, std::int64_t inner) {
+  constexpr const char* op = "channel_quantize";
+  const groupquant::FloatKind kind = float_kind(op, "x", x.scalar_type());
+  check_inner(op, inner);
+  const std::int64_t channels = check_channel_params(op, lo, step, "x", x.device());
+  check_channel_layout(op, "x", x.numel(), inner, channels);
+  return kind;
+}
+
+// The output dtype's kind.
+inline groupquant::FloatKind check_channel_dequantize(const at::Tensor& codes, const at::Tensor& lo,
+                                                      const at::Tensor& step, std::int64_t inner,
+                                                      at::ScalarType dtype) {
+  constexpr const char* op = "channel_dequantize";
+  TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte, "torchstash::", op, ": codes must be uint8 (got ",
+                   codes.scalar_type(), "); pass the tensor that channel_quantize returned");
+  TORCH_CHECK_VALUE(codes.dim() == 1, "torchstash::", op, ": codes must be 1-D (got ", codes.dim(),
+                    " dims); pass the tensor that channel_quantize returned, or flatten it");
+  check_inner(op, inner);
+  const std::int64_t channels = check_channel_params(op, lo, step, "codes", codes.device());
+  check_channel_layout(op, "codes", codes.numel(), inner, channels);
+  return float_kind(op, "dtype", dtype);
+}
+
 inline void check_philox_out(const at::Tensor& out) {
   TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat,
                    "torchstash::philox_uniform: out must be float32 (got ", out.scalar_type(),

@@ -129,6 +129,51 @@ at::Tensor group_dequantize_cpu(const at::Tensor& packed, const at::Tensor& lo, 
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> channel_minmax_cpu(const at::Tensor& x, std::int64_t inner, std::int64_t channels) {
+  const groupquant::FloatKind kind = bindings::check_channel_minmax(x, inner, channels);
+  const at::Tensor c = x.contiguous();
+  const std::int64_t n = c.numel();
+  at::Tensor mn = c.new_empty({channels}, c.options().dtype(at::kFloat));
+  at::Tensor mx = c.new_empty({channels}, c.options().dtype(at::kFloat));
+  cpu::channel_minmax(c.const_data_ptr(), kind, n, inner, channels, mn.mutable_data_ptr<float>(),
+                      mx.mutable_data_ptr<float>(), threads_for(n * 4));
+  return {mn, mx};
+}
+
+at::Tensor channel_quantize_cpu(const at::Tensor& x, const at::Tensor& lo, const at::Tensor& step, std::int64_t inner,
+                                std::int64_t seed, bool stochastic) {
+  const groupquant::FloatKind kind = bindings::check_channel_quantize(x, lo, step, inner);
+  const at::Tensor c = x.contiguous();
+  const at::Tensor l = lo.contiguous();
+  const at::Tensor s = step.contiguous();
+  const std::int64_t n = c.numel();
+  at::Tensor codes = c.new_empty({n}, c.options().dtype(at::kByte));
+  prepare_huge_pages(codes.mutable_data_ptr(), n);
+  if (n > 0) {
+    // seed is a 64-bit pattern: a Python value in [2^63, 2^64) arrives negative.
+    cpu::channel_quantize(c.const_data_ptr(), kind, n, inner, l.numel(), l.const_data_ptr<float>(),
+                          s.const_data_ptr<float>(), static_cast<std::uint64_t>(seed), stochastic,
+                          codes.mutable_data_ptr<std::uint8_t>(), threads_for(n * (stochastic ? 16 : 4)));
+  }
+  return codes;
+}
+
+at::Tensor channel_dequantize_cpu(const at::Tensor& codes, const at::Tensor& lo, const at::Tensor& step,
+                                  std::int64_t inner, at::ScalarType dtype) {
+  const groupquant::FloatKind kind = bindings::check_channel_dequantize(codes, lo, step, inner, dtype);
+  const at::Tensor c = codes.contiguous();
+  const at::Tensor l = lo.contiguous();
+  const at::Tensor s = step.contiguous();
+  const std::int64_t n = c.numel();
+  at::Tensor out = c.new_empty({n}, c.options().dtype(dtype));
+  prepare_huge_pages(out.mutable_data_ptr(), static_cast<std::int64_t>(out.nbytes()));
+  if (n > 0) {
+    cpu::channel_dequantize(c.const_data_ptr<std::uint8_t>(), n, inner, l.numel(), l.const_data_ptr<float>(),
+                            s.const_data_ptr<float>(), kind, out.mutable_data_ptr(), threads_for(n * 4));
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace torchstash
 
@@ -142,6 +187,9 @@ TORCH_LIBRARY(torchstash, m) {
   m.def(
       "group_dequantize(Tensor packed, Tensor lo, Tensor step, int bits, int group_size, int numel, "
       "ScalarType dtype) -> Tensor");
+  m.def("channel_minmax(Tensor x, int inner, int channels) -> (Tensor, Tensor)");
+  m.def("channel_quantize(Tensor x, Tensor lo, Tensor step, int inner, int seed, bool stochastic) -> Tensor");
+  m.def("channel_dequantize(Tensor codes, Tensor lo, Tensor step, int inner, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchstash, CPU, m) {
@@ -150,4 +198,7 @@ TORCH_LIBRARY_IMPL(torchstash, CPU, m) {
   m.impl("philox_uniform", &torchstash::philox_uniform_cpu);
   m.impl("group_quantize", &torchstash::group_quantize_cpu);
   m.impl("group_dequantize", &torchstash::group_dequantize_cpu);
+  m.impl("channel_minmax", &torchstash::channel_minmax_cpu);
+  m.impl("channel_quantize", &torchstash::channel_quantize_cpu);
+  m.impl("channel_dequantize", &torchstash::channel_dequantize_cpu);
 }

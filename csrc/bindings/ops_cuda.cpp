@@ -83,6 +83,48 @@ at::Tensor group_dequantize_cuda(const at::Tensor& packed, const at::Tensor& lo,
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> channel_minmax_cuda(const at::Tensor& x, std::int64_t inner,
+                                                       std::int64_t channels) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const groupquant::FloatKind kind = bindings::check_channel_minmax(x, inner, channels);
+  const at::Tensor c = x.contiguous();
+  at::Tensor mn = c.new_empty({channels}, c.options().dtype(at::kFloat));
+  at::Tensor mx = c.new_empty({channels}, c.options().dtype(at::kFloat));
+  C10_CUDA_CHECK(cuda::launch_channel_minmax(c.const_data_ptr(), kind, c.numel(), inner, channels,
+                                             mn.mutable_data_ptr<float>(), mx.mutable_data_ptr<float>(),
+                                             current_stream()));
+  return {mn, mx};
+}
+
+at::Tensor channel_quantize_cuda(const at::Tensor& x, const at::Tensor& lo, const at::Tensor& step,
+                                 std::int64_t inner, std::int64_t seed, bool stochastic) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const groupquant::FloatKind kind = bindings::check_channel_quantize(x, lo, step, inner);
+  const at::Tensor c = x.contiguous();
+  const at::Tensor l = lo.contiguous();
+  const at::Tensor s = step.contiguous();
+  at::Tensor codes = c.new_empty({c.numel()}, c.options().dtype(at::kByte));
+  C10_CUDA_CHECK(cuda::launch_channel_quantize(c.const_data_ptr(), kind, c.numel(), inner, l.numel(),
+                                               l.const_data_ptr<float>(), s.const_data_ptr<float>(),
+                                               static_cast<std::uint64_t>(seed), stochastic,
+                                               codes.mutable_data_ptr<std::uint8_t>(), current_stream()));
+  return codes;
+}
+
+at::Tensor channel_dequantize_cuda(const at::Tensor& codes, const at::Tensor& lo, const at::Tensor& step,
+                                   std::int64_t inner, at::ScalarType dtype) {
+  const c10::cuda::CUDAGuard guard(codes.device());
+  const groupquant::FloatKind kind = bindings::check_channel_dequantize(codes, lo, step, inner, dtype);
+  const at::Tensor c = codes.contiguous();
+  const at::Tensor l = lo.contiguous();
+  const at::Tensor s = step.contiguous();
+  at::Tensor out = c.new_empty({c.numel()}, c.options().dtype(dtype));
+  C10_CUDA_CHECK(cuda::launch_channel_dequantize(c.const_data_ptr<std::uint8_t>(), c.numel(), inner, l.numel(),
+                                                 l.const_data_ptr<float>(), s.const_data_ptr<float>(), kind,
+                                                 out.mutable_data_ptr(), current_stream()));
+  return out;
+}
+
 }  // namespace
 }  // namespace torchstash
 
@@ -92,4 +134,7 @@ TORCH_LIBRARY_IMPL(torchstash, CUDA, m) {
   m.impl("philox_uniform", &torchstash::philox_uniform_cuda);
   m.impl("group_quantize", &torchstash::group_quantize_cuda);
   m.impl("group_dequantize", &torchstash::group_dequantize_cuda);
+  m.impl("channel_minmax", &torchstash::channel_minmax_cuda);
+  m.impl("channel_quantize", &torchstash::channel_quantize_cuda);
+  m.impl("channel_dequantize", &torchstash::channel_dequantize_cuda);
 }

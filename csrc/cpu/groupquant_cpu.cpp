@@ -8,14 +8,15 @@
 // time: whole groups when they are small, part of one group when it is large.
 // Dequantize: a task owns a range of whole packed bytes; groups may start anywhere in it.
 //
-// Only the hot leaf loops (span_stats, finite_codes, fill_uniforms, affine_values) are
-// compiled per instruction set (clones.h); they do not depend on the bit width, so the
-// width-templated glue is compiled once and the unit builds in a few seconds.
+// Only the hot leaf loops (span_stats, finite_codes, affine_values, float_spans.h's
+// fill_uniforms) are compiled per instruction set (clones.h); they do not depend on the bit
+// width, so the width-templated glue is compiled once and the unit builds in a few seconds.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "clones.h"
+#include "float_spans.h"
 #include "philox_lanes.h"
 #include "torchstash/bitpack.h"
 #include "torchstash/cpu_kernels.h"
@@ -30,12 +31,9 @@ using groupquant::FloatKind;
 using groupquant::Params;
 using groupquant::Stats;
 
-constexpr index_t kSpan = 2048;                    // elements prepared at once (8 KiB of fp32)
 constexpr index_t kTaskElems = index_t{1} << 16;  // elements per OpenMP task, about
-constexpr int kLanes = kPhiloxLanes;               // min/max lanes; Philox blocks advanced together
-// A span's Philox blocks (kSpan / 4, one more when unaligned) rounded up to kLanes.
-constexpr index_t kUniforms = kSpan + 4 * kLanes;
-static_assert(kSpan % (4 * kLanes) == 0 && kTaskElems % 8 == 0, "spans and tasks must start on bytes");
+constexpr int kLanes = kPhiloxLanes;               // min/max lanes
+static_assert(kSpan % 8 == 0 && kTaskElems % 8 == 0, "spans and tasks must start on bytes");
 
 // Min/max of x[0, count) merged into s, in kLanes independent lanes so that the loop
 // vectorizes without -ffast-math (each lane update is a plain compare-and-select).
@@ -75,33 +73,6 @@ TS_CPU_CLONES void finite_codes(const float* x, const float* u, index_t count, f
 // vals[k] <- lo + codes[k] * step, rounded twice (no FMA: -ffp-contract=off).
 TS_CPU_CLONES void affine_values(const std::uint8_t* codes, index_t count, float lo, float step, float* vals) {
   for (index_t k = 0; k < count; ++k) vals[k] = groupquant::add_rn(lo, groupquant::mul_rn(static_cast<float>(codes[k]), step));
-}
-
-// Uniforms of elements [first, first + count) (count <= kSpan): returns p with p[k] the
-// uniform of element first + k. Philox blocks advance kLanes at a time (structure of
-// arrays, as in philox_cpu.cpp); the few blocks computed past the end are ignored. GCC
-// vectorizes across 16 such steps, so it pays off from about 128 blocks: hence spans.
-TS_CPU_CLONES const float* fill_uniforms(float* buf, index_t first, index_t count, std::uint64_t seed) {
-  const index_t b_lo = first >> 2;
-  const index_t b_hi = (first + count + 3) >> 2;
-  for (index_t b0 = b_lo; b0 < b_hi; b0 += kLanes) {
-    philox_lanes(buf + (b0 - b_lo) * 4, static_cast<std::uint64_t>(b0), seed, 0);  // offset 0
-  }
-  return buf + (first & 3);
-}
-
-// x[first, first + count) as float32: a pointer into x itself, or `buf` after conversion.
-const float* load_floats(const void* x, FloatKind kind, index_t first, index_t count, float* buf) {
-  const std::uint16_t* src = static_cast<const std::uint16_t*>(x) + first;
-  switch (kind) {
-    case FloatKind::kFloat32: return static_cast<const float*>(x) + first;
-    case FloatKind::kBFloat16:
-      for (index_t k = 0; k < count; ++k) buf[k] = groupquant::bf16_bits_to_float(src[k]);
-      return buf;
-    default:
-      for (index_t k = 0; k < count; ++k) buf[k] = groupquant::half_bits_to_float(src[k]);
-      return buf;
-  }
 }
 
 // Codes appended group by group, written out as whole bytes; a task starts on a byte
@@ -228,22 +199,6 @@ struct DequantArgs {
   void* out;
 };
 
-// vals[0, count) stored as elements [first, first + count) of the output.
-void store_floats(const DequantArgs& a, index_t first, index_t count, const float* vals) {
-  std::uint16_t* dst = static_cast<std::uint16_t*>(a.out) + first;
-  switch (a.kind) {
-    case FloatKind::kFloat32:
-      std::memcpy(static_cast<float*>(a.out) + first, vals, static_cast<std::size_t>(count) * sizeof(float));
-      return;
-    case FloatKind::kBFloat16:
-      for (index_t k = 0; k < count; ++k) dst[k] = groupquant::float_to_bf16_bits(vals[k]);
-      return;
-    default:
-      for (index_t k = 0; k < count; ++k) dst[k] = groupquant::float_to_half_bits(vals[k]);
-      return;
-  }
-}
-
 // Elements [e_lo, e_hi); e_lo is a multiple of 8, so the range starts on a byte boundary.
 template <int BITS>
 void dequantize_elems(const DequantArgs& a, index_t e_lo, index_t e_hi) {
@@ -268,7 +223,7 @@ void dequantize_elems(const DequantArgs& a, index_t e_lo, index_t e_hi) {
       }
       i = seg_end;
     }
-    store_floats(a, s, count, vals);
+    store_floats(a.out, a.kind, s, count, vals);
   }
 }
 

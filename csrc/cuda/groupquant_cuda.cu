@@ -9,6 +9,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "float_io.cuh"
 #include "launch_config.cuh"
 #include "torchstash/bitpack.h"
 #include "torchstash/cuda_launch.h"
@@ -24,19 +25,6 @@ using groupquant::Stats;
 constexpr int kWarp = 32;
 constexpr int kWarpsPerBlock = kThreads / kWarp;
 constexpr int kMaxRun = 8;  // byte_aligned_groups() never exceeds 8
-
-__device__ __forceinline__ float load_float(const float* x, index_t i) { return x[i]; }
-__device__ __forceinline__ float load_float(const __half* x, index_t i) { return __half2float(x[i]); }
-__device__ __forceinline__ float load_float(const __nv_bfloat16* x, index_t i) { return __bfloat162float(x[i]); }
-
-// The narrow stores round like torch's CPU casts (groupquant.h), NaN patterns included.
-__device__ __forceinline__ void store_float(float* out, index_t i, float v) { out[i] = v; }
-__device__ __forceinline__ void store_float(__half* out, index_t i, float v) {
-  out[i] = __ushort_as_half(groupquant::float_to_half_bits(v));
-}
-__device__ __forceinline__ void store_float(__nv_bfloat16* out, index_t i, float v) {
-  out[i] = __ushort_as_bfloat16(groupquant::float_to_bf16_bits(v));
-}
 
 __device__ __forceinline__ Stats warp_stats(Stats s) {
 #pragma unroll

@@ -9,6 +9,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "torchstash/channelquant.h"
 #include "torchstash/common.h"
 #include "torchstash/groupquant.h"
 
@@ -38,6 +39,23 @@ cudaError_t launch_group_quantize(const void* x, groupquant::FloatKind kind, ind
 cudaError_t launch_group_dequantize(const std::uint8_t* packed, const std::uint16_t* lo, const std::uint16_t* step,
                                     int bits, index_t group_size, index_t n, groupquant::FloatKind kind, void* out,
                                     cudaStream_t stream);
+
+// Channel-wise 8-bit layout (channelquant.h): element i of x[0, n) belongs to channel
+// (i / inner) % channels; n is a multiple of inner * channels.
+// mn, mx[0, channels) <- min and max over each channel's finite elements (+inf, -inf when it
+// has none; -0.0 as +0.0). Writes them for n == 0 too.
+cudaError_t launch_channel_minmax(const void* x, groupquant::FloatKind kind, index_t n, index_t inner,
+                                  index_t channels, float* mn, float* mx, cudaStream_t stream);
+
+// codes[0, n) <- the 8-bit codes of x[0, n) with each channel's float32 lo and step.
+cudaError_t launch_channel_quantize(const void* x, groupquant::FloatKind kind, index_t n, index_t inner,
+                                    index_t channels, const float* lo, const float* step, std::uint64_t seed,
+                                    bool stochastic, std::uint8_t* codes, cudaStream_t stream);
+
+// out[0, n) (float32, __half or __nv_bfloat16 per `kind`) <- the values of codes[0, n).
+cudaError_t launch_channel_dequantize(const std::uint8_t* codes, index_t n, index_t inner, index_t channels,
+                                      const float* lo, const float* step, groupquant::FloatKind kind, void* out,
+                                      cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace torchstash

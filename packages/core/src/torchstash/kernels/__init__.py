@@ -2,14 +2,17 @@
 
 ``pack_bits``/``unpack_bits`` store small integer codes densely, ``philox_uniform``
 draws reproducible random numbers, ``group_quantize``/``group_dequantize`` store floats
-at 1-8 bits with per-group stochastic rounding; each runs a JIT-built C++/CUDA kernel when one is
-available (see ``status()``) and the reference in ``torchstash.kernels.reference`` if not.
+at 1-8 bits with per-group stochastic rounding, ``channel_minmax``/``channel_quantize``/
+``channel_dequantize`` store them at 8 bits with a scale per channel (Mesa's layout); each
+runs a JIT-built C++/CUDA kernel when one is available (see ``status()``) and the
+pure-PyTorch reference (``torchstash.kernels.reference`` and the ``*_reference`` modules) if not.
 """
 
 from __future__ import annotations
 
 from ._dispatch import Impl
 from .bitpack import pack_bits, pack_mask, unpack_bits, unpack_mask
+from .channelquant import channel_dequantize, channel_minmax, channel_quantize
 from .groupquant import group_dequantize, group_quantize
 from .loader import available, load, status
 from .philox import philox_uniform
@@ -17,6 +20,9 @@ from .philox import philox_uniform
 __all__ = [
     "Impl",
     "available",
+    "channel_dequantize",
+    "channel_minmax",
+    "channel_quantize",
     "group_dequantize",
     "group_quantize",
     "load",

@@ -68,6 +68,45 @@ def _group_dequantize_fake(
     return packed.new_empty((numel,), dtype=dtype)
 
 
+def _channel_minmax_fake(
+    x: torch.Tensor, inner: int, channels: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    torch._check(
+        x.dtype in _FLOATS, lambda: f"x must be float32, float16 or bfloat16, got {x.dtype}"
+    )
+    torch._check(inner >= 1, lambda: f"inner must be >= 1, got {inner}")
+    torch._check(channels >= 1, lambda: f"channels must be >= 1, got {channels}")
+    return (
+        x.new_empty((channels,), dtype=torch.float32),
+        x.new_empty((channels,), dtype=torch.float32),
+    )
+
+
+def _channel_quantize_fake(
+    x: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, inner: int, seed: int, stochastic: bool
+) -> torch.Tensor:
+    torch._check(
+        x.dtype in _FLOATS, lambda: f"x must be float32, float16 or bfloat16, got {x.dtype}"
+    )
+    torch._check(lo.dtype == torch.float32, lambda: f"lo must be float32, got {lo.dtype}")
+    torch._check(step.dtype == torch.float32, lambda: f"step must be float32, got {step.dtype}")
+    torch._check(inner >= 1, lambda: f"inner must be >= 1, got {inner}")
+    return x.new_empty((x.numel(),), dtype=torch.uint8)
+
+
+def _channel_dequantize_fake(
+    codes: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, inner: int, dtype: torch.dtype
+) -> torch.Tensor:
+    torch._check(codes.dtype == torch.uint8, lambda: f"codes must be uint8, got {codes.dtype}")
+    torch._check(lo.dtype == torch.float32, lambda: f"lo must be float32, got {lo.dtype}")
+    torch._check(step.dtype == torch.float32, lambda: f"step must be float32, got {step.dtype}")
+    torch._check(inner >= 1, lambda: f"inner must be >= 1, got {inner}")
+    torch._check(
+        dtype in _FLOATS, lambda: f"dtype must be float32, float16 or bfloat16, got {dtype}"
+    )
+    return codes.new_empty((codes.numel(),), dtype=dtype)
+
+
 def _op_defined(name: str) -> bool:
     try:
         getattr(torch.ops.torchstash, name).default  # noqa: B018
@@ -92,6 +131,10 @@ def register() -> None:
     if _op_defined("group_quantize"):
         torch.library.register_fake("torchstash::group_quantize", _group_quantize_fake)
         torch.library.register_fake("torchstash::group_dequantize", _group_dequantize_fake)
+    if _op_defined("channel_quantize"):
+        torch.library.register_fake("torchstash::channel_minmax", _channel_minmax_fake)
+        torch.library.register_fake("torchstash::channel_quantize", _channel_quantize_fake)
+        torch.library.register_fake("torchstash::channel_dequantize", _channel_dequantize_fake)
     _registered = True
 
 

@@ -1,10 +1,12 @@
 """CPU benchmark: compiled kernels against the pure-PyTorch reference.
 
 ``python -m torchstash.kernels.bench [--mib 64] [--repeat 5] [--threads N] [--json]
-[--check RATIO] [--suite bitpack|groupquant]``. Sizes are of the unpacked side: ``mib``
-MiB of uint8 codes for pack/unpack, ``mib`` MiB of float32 output for philox_uniform,
+[--check RATIO] [--suite bitpack|groupquant|channelquant]``. Sizes are of the unpacked side:
+``mib`` MiB of uint8 codes for pack/unpack, ``mib`` MiB of float32 output for philox_uniform,
 ``mib`` MiB of float32 input (quantize) or output (dequantize, group size 256) for the
-``groupquant`` suite. Reference and kernel runs alternate after a warm-up; speedups are
+``groupquant`` suite, ``mib`` MiB of float32 input or output for the ``channelquant`` suite
+(8-bit codes, stochastic rounding; a (16, 16 heads, ...) layout, then 512 channels with
+``inner = 1``). Reference and kernel runs alternate after a warm-up; speedups are
 ratios of medians ("best": of the fastest runs). ``--check RATIO`` exits 1 when a row
 other than the 8-bit copies stays below RATIO after one re-measurement with twice the
 runs (shared machines are noisy).
@@ -18,7 +20,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 
 import torch
@@ -26,14 +28,16 @@ import torch
 from torchstash.errors import KernelUnavailable
 
 from .bitpack import pack_bits, unpack_bits
+from .channelquant import channel_dequantize, channel_minmax, channel_quantize
 from .groupquant import group_dequantize, group_quantize
 from .philox import philox_uniform
 
 __all__ = ["SUITES", "BenchRow", "failures", "main", "run"]
 
-#: Case families: ``bitpack`` (pack/unpack at 1-8 bits, philox_uniform) and
-#: ``groupquant`` (group_quantize/group_dequantize at 2 and 8 bits).
-SUITES = ("bitpack", "groupquant")
+#: Case families: ``bitpack`` (pack/unpack at 1-8 bits, philox_uniform),
+#: ``groupquant`` (group_quantize/group_dequantize at 2 and 8 bits) and ``channelquant``
+#: (channel_minmax/channel_quantize/channel_dequantize per head and per channel).
+SUITES = ("bitpack", "groupquant", "channelquant")
 _COPY_OPS = ("pack_bits", "unpack_bits")  # plain copies at 8 bits
 
 
@@ -78,8 +82,11 @@ def _row(
     )  # fmt: skip
 
 
-# (op, bits, reference call, kernel call)
-_Case = tuple[str, "int | None", Callable[[], object], Callable[[], object]]
+# (op, bits, reference call, kernel call[, note])
+_Case = (
+    tuple[str, "int | None", Callable[[], object], Callable[[], object]]
+    | tuple[str, "int | None", Callable[[], object], Callable[[], object], str]
+)
 
 
 def _cases(mib: float, seed: int) -> list[_Case]:
@@ -124,6 +131,34 @@ def _group_cases(mib: float, seed: int) -> list[_Case]:
     return cases
 
 
+def _channel_cases(mib: float, seed: int) -> list[_Case]:
+    """The three channel ops on ``mib`` MiB of float32: (16, 16, inner) per head, then
+    (outer, 512) per channel (inner 1); stochastic rounding, Mesa's lo and step."""
+    n = int(mib * 2**20) // 4
+    gen = torch.Generator().manual_seed(seed)
+    cases: list[_Case] = []
+    for channels, inner, note in (
+        (16, n // 256, f"heads: C=16, inner={n // 256}"),
+        (512, 1, "channels: C=512, inner=1"),
+    ):
+        x = torch.randn(n // (channels * inner) * channels * inner, generator=gen)
+        mn, mx = channel_minmax(x, inner, channels, impl="kernel")
+        step = (mx - mn) / 252
+        codes = channel_quantize(x, mn, step, inner, seed=1234, impl="kernel")
+        f32 = torch.float32
+        cases += [
+            ("channel_minmax", 8, partial(channel_minmax, x, inner, channels, impl="ref"),
+             partial(channel_minmax, x, inner, channels, impl="kernel"), note),
+            ("channel_quantize", 8,
+             partial(channel_quantize, x, mn, step, inner, seed=1234, impl="ref"),
+             partial(channel_quantize, x, mn, step, inner, seed=1234, impl="kernel"), note),
+            ("channel_dequantize", 8,
+             partial(channel_dequantize, codes, mn, step, inner, f32, impl="ref"),
+             partial(channel_dequantize, codes, mn, step, inner, f32, impl="kernel"), note),
+        ]  # fmt: skip
+    return cases
+
+
 def run(
     mib: float = 64,
     repeat: int = 5,
@@ -148,12 +183,14 @@ def run(
         cases += _cases(mib, seed)
     if "groupquant" in suites:
         cases += _group_cases(mib, seed)
+    if "channelquant" in suites:
+        cases += _channel_cases(mib, seed)
     rows = []
-    for op, bits, ref, kernel in cases:
+    for op, bits, ref, kernel, *note in cases:
         row = _row(op, bits, mib, ref, kernel, repeat)
         if check > 0 and failures([row], check):
             row = _row(op, bits, mib, ref, kernel, 2 * repeat)
-        rows.append(row)
+        rows.append(replace(row, note=note[0]) if note else row)
     return rows
 
 
@@ -163,12 +200,12 @@ def failures(rows: Sequence[BenchRow], ratio: float) -> list[BenchRow]:
 
 
 def format_table(rows: Sequence[BenchRow]) -> str:
-    head = f"{'op':<18}{'bits':>5}{'MiB':>6}{'ref ms':>10}{'kernel ms':>11}{'speedup':>9}{'best':>8}  note"
+    head = f"{'op':<20}{'bits':>5}{'MiB':>6}{'ref ms':>10}{'kernel ms':>11}{'speedup':>9}{'best':>8}  note"
     lines = [head]
     for r in rows:
         bits = "-" if r.bits is None else str(r.bits)
         lines.append(
-            f"{r.op:<18}{bits:>5}{r.mib:>6g}{r.ref_ms:>10.2f}{r.kernel_ms:>11.2f}"
+            f"{r.op:<20}{bits:>5}{r.mib:>6g}{r.ref_ms:>10.2f}{r.kernel_ms:>11.2f}"
             f"{r.speedup:>8.1f}x{r.best_speedup:>7.1f}x  {r.note}".rstrip()
         )
     return "\n".join(lines)

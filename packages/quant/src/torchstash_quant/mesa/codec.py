@@ -9,17 +9,23 @@ no code wraps past 255 and no value is clamped (a clamped value biases the gradi
 final loss in the demo, +0.3% without), rounding is stochastic (unbiased), NaN and Inf keep
 reserved codes (253 = -Inf, 254 = +Inf, 255 = NaN; finite values use 0..252), and the
 running state lives in the compressor, so the model's ``state_dict`` keys do not change.
+
+The tensor is taken in memory order (transposed and channels_last tensors need no copy and
+come back with their strides), and each pass is one fused kernel over it
+(``torchstash.kernels.channel_minmax``, ``channel_quantize``, ``channel_dequantize``); the
+per-group range bookkeeping runs on vectors of one entry per channel.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
 
 from torchstash.compressor import BaseCompressor
 from torchstash.errors import OptionError
-from torchstash.kernels import philox_uniform
+from torchstash.kernels import channel_dequantize, channel_minmax, channel_quantize
 from torchstash.layout import memory_order, restore
 from torchstash.packed import Packed
 from torchstash.site import Site
@@ -31,6 +37,14 @@ from ..groupwise import FLOAT_DTYPES
 LEVELS = 252
 _NEG_INF, _POS_INF, _NAN = 253, 254, 255
 MAX_GROUPS = 64
+
+
+def _inner(shape: torch.Size, axis: int, inverse: tuple[int, ...] | None) -> int:
+    """Elements per run of one channel of ``axis`` in the memory order :func:`memory_order`
+    chose (``inverse`` as it returned): the product of the sizes after it."""
+    if inverse is None:
+        return math.prod(shape[axis + 1 :])
+    return math.prod(shape[d] for d in range(len(shape)) if inverse[d] > inverse[axis])
 
 
 class MesaQuantizer(BaseCompressor):
@@ -92,18 +106,16 @@ class MesaQuantizer(BaseCompressor):
         return torch.arange(channels, device=device) * k // channels, k
 
     def _observe(
-        self, x: torch.Tensor, axis: int, gid: torch.Tensor, k: int
+        self, flat: torch.Tensor, inner: int, channels: int, gid: torch.Tensor, k: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-group min and max of the finite values (+inf/-inf where a group has none)."""
-        v = x.float()
-        dims = [d for d in range(x.dim()) if d != axis]
-        finite = v.isfinite()
-        low = torch.where(finite, v, float("inf"))
-        high = torch.where(finite, v, float("-inf"))
-        cmin = low.amin(dim=dims) if dims else low
-        cmax = high.amax(dim=dims) if dims else high
-        gmin = torch.full((k,), float("inf"), device=x.device).scatter_reduce(0, gid, cmin, "amin")
-        gmax = torch.full((k,), float("-inf"), device=x.device).scatter_reduce(0, gid, cmax, "amax")
+        cmin, cmax = channel_minmax(flat, inner, channels)
+        gmin = torch.full((k,), float("inf"), device=flat.device).scatter_reduce(
+            0, gid, cmin, "amin"
+        )
+        gmax = torch.full((k,), float("-inf"), device=flat.device).scatter_reduce(
+            0, gid, cmax, "amax"
+        )
         return gmin, gmax
 
     def _running(
@@ -126,7 +138,9 @@ class MesaQuantizer(BaseCompressor):
         axis = self._axis(x)
         channels = x.shape[axis]
         gid, k = self._group_of_channel(channels, x.device)
-        gmin, gmax = self._observe(x, axis, gid, k)
+        flat, inverse = memory_order(x)  # a view; codes and uniforms follow memory order
+        inner = _inner(x.shape, axis, inverse)
+        gmin, gmax = self._observe(flat, inner, channels, gid, k)
         lo, hi = self._running(site, gmin, gmax)
         # The running range smooths the scale from step to step; it is widened to this
         # tensor's own range where that is larger, so no value is clamped (a clamped value is
@@ -135,23 +149,11 @@ class MesaQuantizer(BaseCompressor):
         lo = torch.where(seen, torch.minimum(lo, gmin), lo)
         hi = torch.where(seen, torch.maximum(hi, gmax), hi)
         step = torch.clamp(hi - lo, min=0.0) / LEVELS
-        shape = [1] * x.dim()
-        shape[axis] = channels
-        lo_c, step_c = lo[gid].view(shape), step[gid].view(shape)
-        v = x.float()
-        scaled = torch.where(step_c > 0, (v - lo_c) / torch.where(step_c > 0, step_c, 1.0), 0.0)
-        if self.stochastic:  # one uniform per element, in memory order
-            _, inverse = memory_order(scaled)
-            u = philox_uniform(x.numel(), self.seeds.next(), 0, device=x.device)
-            q = torch.floor(scaled + restore(u, scaled.shape, inverse))
-        else:
-            q = torch.floor(scaled + 0.5)
-        codes = q.clamp(0, LEVELS).to(torch.uint8)
-        codes = torch.where(v.isnan(), _NAN, codes)
-        codes = torch.where(v == float("inf"), _POS_INF, codes)
-        codes = torch.where(v == float("-inf"), _NEG_INF, codes).to(torch.uint8)
-        flat_codes, inverse = memory_order(codes)
-        packed = Packed.like(x, self.name, codes=flat_codes.reshape(-1), lo=lo.clone(), step=step)
+        seed = self.seeds.next() if self.stochastic else 0  # one uniform per element
+        codes = channel_quantize(
+            flat, lo[gid], step[gid], inner, seed=seed, stochastic=self.stochastic
+        )
+        packed = Packed.like(x, self.name, codes=codes, lo=lo.clone(), step=step)
         packed.meta.update(axis=axis, order=inverse)
         return packed
 
@@ -160,14 +162,10 @@ class MesaQuantizer(BaseCompressor):
         assert isinstance(codes, torch.Tensor) and isinstance(lo, torch.Tensor)
         assert isinstance(step, torch.Tensor)
         order = packed.meta.get("order")
-        c = restore(codes, packed.shape, order if isinstance(order, tuple) else None)
+        inverse = order if isinstance(order, tuple) else None
         axis = int(packed.meta["axis"])  # type: ignore[arg-type]
         channels = packed.shape[axis]
         gid, _ = self._group_of_channel(channels, codes.device)
-        shape = [1] * len(packed.shape)
-        shape[axis] = channels
-        val = lo[gid].view(shape) + c.float() * step[gid].view(shape)
-        val = torch.where(c == _NAN, float("nan"), val)
-        val = torch.where(c == _POS_INF, float("inf"), val)
-        val = torch.where(c == _NEG_INF, float("-inf"), val)
-        return val.to(packed.dtype)
+        inner = _inner(packed.shape, axis, inverse)
+        flat = channel_dequantize(codes, lo[gid], step[gid], inner, packed.dtype)
+        return restore(flat, packed.shape, inverse)
