@@ -116,7 +116,7 @@ def register(registry: Registry) -> None:
         "quant.mesa",
         mesa,
         lossless=False,
-        summary="Mesa: 8-bit head-wise with running (EMA) range estimates, clamped",
+        summary="Mesa: 8-bit head-wise codes from running (EMA) ranges, widened: nothing wraps",
     )
     registry.register(
         "quant.auto",
