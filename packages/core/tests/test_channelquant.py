@@ -33,12 +33,12 @@ from torchstash.kernels.channelquant_reference import (
     channel_minmax_ref,
     channel_quantize_ref,
 )
+from torchstash.testing.bits import INT_VIEW, assert_bits_equal
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IMPLS: tuple[Impl, ...] = ("kernel", "ref")
 INF, NAN = float("inf"), float("nan")
 F32_MAX = torch.finfo(torch.float32).max
-_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 # (outer, channels, inner): per head (long runs), per channel (inner = 1), small inner
 # (per-column min/max), runs longer than a span and than a CPU task, more channels than the
@@ -84,19 +84,6 @@ def _params(x: torch.Tensor, inner: int, channels: int) -> tuple[torch.Tensor, t
     lo = torch.where(seen, mn, 0.0)
     step = torch.clamp(torch.where(seen, mx, 0.0) - lo, min=0.0) / 252
     return lo, step
-
-
-def assert_bits_equal(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Same dtype, shape and bits, NaN payloads aside (NaNs must sit at the same places)."""
-    got = got.cpu()
-    assert got.dtype == want.dtype and got.shape == want.shape
-    if not want.dtype.is_floating_point:
-        assert torch.equal(got, want)
-        return
-    nan = want.isnan()
-    assert torch.equal(got.isnan(), nan), "NaN positions differ"
-    view = _INT_VIEW[want.dtype]
-    assert torch.equal(got[~nan].view(view), want[~nan].view(view))
 
 
 def check_parity(
@@ -214,7 +201,7 @@ def test_reserved_codes_decode_to_canonical_values(kernel: None, device: torch.d
     canonical = {torch.float32: 0x7FC00000, torch.float16: 0x7E00, torch.bfloat16: 0x7FC0}
     for dtype, bits_of_nan in canonical.items():
         y = channel_dequantize(codes, lo, step, 6, dtype, impl="kernel").cpu()
-        nan_bits = y[y.isnan()].view(_INT_VIEW[dtype]).to(torch.int64) & 0xFFFFFFFF
+        nan_bits = y[y.isnan()].view(INT_VIEW[dtype]).to(torch.int64) & 0xFFFFFFFF
         assert set(nan_bits.tolist()) == {bits_of_nan}
         assert y[1].item() == INF and y[2].item() == -INF and y[4].item() == 252.0
 

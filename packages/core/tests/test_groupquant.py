@@ -25,6 +25,7 @@ from torchstash.kernels.groupquant_reference import (
     group_quantize_ref,
     num_groups,
 )
+from torchstash.testing.bits import INT_VIEW, assert_bits_equal
 
 BITS = [1, 2, 4, 8]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -33,7 +34,6 @@ SIZES = [1, 255, 257, 100003]
 IMPLS: tuple[Impl, ...] = ("kernel", "ref")
 F32_MAX = torch.finfo(torch.float32).max
 INF, NAN = float("inf"), float("nan")
-_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
 def _data(n: int, group_size: int, seed: int) -> torch.Tensor:
@@ -45,19 +45,6 @@ def _data(n: int, group_size: int, seed: int) -> torch.Tensor:
     x = torch.randn(n, generator=gen) * scale + offset
     on_grid = torch.rand(n, generator=gen) < 0.1
     return torch.where(on_grid, x.to(torch.bfloat16).float(), x)
-
-
-def assert_bits_equal(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Same dtype, shape and bits, NaN payloads aside (NaNs must sit at the same places)."""
-    got = got.cpu()
-    assert got.dtype == want.dtype and got.shape == want.shape
-    if not want.dtype.is_floating_point:
-        assert torch.equal(got, want)
-        return
-    nan = want.isnan()
-    assert torch.equal(got.isnan(), nan), "NaN positions differ"
-    view = _INT_VIEW[want.dtype]
-    assert torch.equal(got[~nan].view(view), want[~nan].view(view))
 
 
 def within_step(x: torch.Tensor, y: torch.Tensor, step: torch.Tensor) -> bool:
@@ -175,7 +162,7 @@ def test_reserved_codes_decode_to_canonical_values(
     canonical = {torch.float32: 0x7FC00000, torch.float16: 0x7E00, torch.bfloat16: 0x7FC0}
     for dtype, bits_of_nan in canonical.items():
         y = group_dequantize(*q, bits, 6, 6, dtype, impl="kernel").cpu()
-        nan_bits = y[y.isnan()].view(_INT_VIEW[dtype]).to(torch.int64) & 0xFFFFFFFF
+        nan_bits = y[y.isnan()].view(INT_VIEW[dtype]).to(torch.int64) & 0xFFFFFFFF
         assert set(nan_bits.tolist()) == {bits_of_nan}
 
 

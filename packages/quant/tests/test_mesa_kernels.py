@@ -15,11 +15,11 @@ from torchstash import Site
 from torchstash.kernels import philox_uniform
 from torchstash.layout import memory_order, restore
 from torchstash.packed import Packed
+from torchstash.testing.bits import assert_bits_equal
 from torchstash_quant import MesaQuantizer
 from torchstash_quant.mesa.codec import _NAN, _NEG_INF, _POS_INF, LEVELS
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
 class LegacyMesa(MesaQuantizer):
@@ -85,14 +85,6 @@ class LegacyMesa(MesaQuantizer):
         val = torch.where(c == _POS_INF, float("inf"), val)
         val = torch.where(c == _NEG_INF, float("-inf"), val)
         return val.to(packed.dtype)
-
-
-def _bits_equal(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape
-    nan = want.isnan()
-    assert torch.equal(got.isnan(), nan), "NaN positions differ"
-    view = _INT_VIEW[want.dtype]
-    assert torch.equal(got[~nan].view(view), want[~nan].view(view))
 
 
 def _data(shape: tuple[int, ...], axis: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -166,7 +158,7 @@ def test_same_bits_as_the_pytorch_formulas(
                 assert isinstance(ta, torch.Tensor) and isinstance(tb, torch.Tensor)
                 assert torch.equal(ta, tb), key  # -0.0 == 0.0: zeros may differ in sign
             ya, yb = a.decompress(pa), b.decompress(pb)
-            _bits_equal(ya, yb)
+            assert_bits_equal(ya, yb)
             assert ya.stride() == x.stride()  # the input's layout back
             for sa, sb in zip(a.state[site.key], b.state[site.key]):
                 assert torch.equal(sa, sb)
@@ -180,7 +172,7 @@ def test_strided_input_rounds_to_nearest_as_before() -> None:
     assert not x.is_contiguous()
     new, old = MesaQuantizer(stochastic=False), LegacyMesa(stochastic=False)
     site = Site(module="m", op="matmul", role="input")
-    _bits_equal(new.decompress(new.compress(x, site)), old.decompress(old.compress(x, site)))
+    assert_bits_equal(new.decompress(new.compress(x, site)), old.decompress(old.compress(x, site)))
     stochastic = MesaQuantizer(seed=1)
     y = stochastic.decompress(stochastic.compress(x, site))
     finite = x.isfinite()
@@ -200,4 +192,4 @@ def test_reference_path_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> 
         ta, tb = packed.tensors[key], ref.tensors[key]
         assert isinstance(ta, torch.Tensor) and isinstance(tb, torch.Tensor)
         assert torch.equal(ta, tb)
-    _bits_equal(with_kernels.decompress(packed), without.decompress(ref))
+    assert_bits_equal(with_kernels.decompress(packed), without.decompress(ref))
