@@ -59,28 +59,29 @@ class OpAware(BaseCompressor):
         #: the value codec takes ``group_size=`` per tensor (see :meth:`_norm_group_size`)
         self._aligns = bool(getattr(values, "aligns_groups", False))
 
-    def _norm_group_size(self, x: torch.Tensor, site: Site) -> int | None:
+    def _aligned(self, run: int | None) -> int | None:
+        """A group size near the codec's whose groups stay inside runs of ``run`` elements,
+        when the value codec takes ``group_size=`` per tensor."""
         if not self._aligns:
             return None
-        group_size = getattr(self.values, "group_size", 256)
-        return aligned_group_size(normalized_run(x, site), group_size)
+        return aligned_group_size(run, getattr(self.values, "group_size", 256))
+
+    def _norm_group_size(self, x: torch.Tensor, site: Site) -> int | None:
+        return self._aligned(normalized_run(x, site))
 
     def _channel_major_group_size(self, x: torch.Tensor, site: Site) -> int | None:
         """Group size for a BatchNorm input stored channel-major (see :mod:`.rows`), when its
         planes are too short to hold a group."""
-        if not self._aligns:
-            return None
-        group_size = getattr(self.values, "group_size", 256)
-        return aligned_group_size(channel_major_run(x, site), group_size)
+        return self._aligned(channel_major_run(x, site))
 
     def _row_group_size(self, x: torch.Tensor) -> int | None:
         """A group size that keeps each group inside one row (innermost dimension), where
         that costs at most twice the scales: tokens of different scale then never share a
         step (on the GPT at 4 bits, the LM head's 128-wide rows: cosine 0.9891 to 0.9905)."""
-        if not self._aligns or x.dim() < 2 or x.stride(-1) != 1:
+        if x.dim() < 2 or x.stride(-1) != 1:
             return None
+        aligned = self._aligned(int(x.shape[-1]))
         group_size = getattr(self.values, "group_size", 256)
-        aligned = aligned_group_size(int(x.shape[-1]), group_size)
         return aligned if aligned is not None and 2 * aligned >= group_size else None
 
     def variant(self, x: torch.Tensor, site: Site) -> str:
