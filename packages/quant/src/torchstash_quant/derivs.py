@@ -64,6 +64,8 @@ class DerivTable:
     levels: torch.Tensor  # float64, ascending, distinct: up to 2**bits - 1 of them
     inputs: torch.Tensor  # 2**bits, in the target dtype: code i restores inputs[i]; the last NaN
     cuts: torch.Tensor  # midpoints between levels, in the target dtype
+    #: the levels as float32 on the table's device, for stochastic rounding
+    device_levels: torch.Tensor
 
 
 def _lloyd_levels(d: torch.Tensor, w: torch.Tensor, count: int) -> torch.Tensor:
@@ -116,7 +118,7 @@ def _table_cpu(
     # Index 2**bits - 1 is the non-finite code; slots no level took are never coded.
     pad = inputs[-1:].expand(2**bits - 1 - inputs.numel())
     nan = torch.full((1,), math.nan, dtype=dtype)
-    return DerivTable(levels, torch.cat([inputs, pad, nan]), cuts)
+    return DerivTable(levels, torch.cat([inputs, pad, nan]), cuts, levels.float())
 
 
 def _unique_sorted(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +145,9 @@ def table(
     hit = _on_device.get(key)
     if hit is None:
         cpu = _table_cpu(op, approximate, bits, dtype, stochastic)
-        hit = DerivTable(cpu.levels, cpu.inputs.to(device), cpu.cuts.to(device))
+        hit = DerivTable(
+            cpu.levels, cpu.inputs.to(device), cpu.cuts.to(device), cpu.device_levels.to(device)
+        )
         _on_device[key] = hit
     return hit
 
@@ -164,7 +168,7 @@ def pack_derivative(
     t = table(op, bits, x.dtype, x.device, approximate, stochastic)
     d = derivative(op, x.detach(), approximate)
     if seed is not None:
-        levels = t.levels.to(device=x.device, dtype=torch.float32)
+        levels = t.device_levels  # kept on the device: no copy per tensor
         df = d.float()
         upper = torch.bucketize(df, levels, out_int32=True).clamp_(1, levels.numel() - 1)
         low, high = levels[upper - 1], levels[upper]
