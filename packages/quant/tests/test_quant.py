@@ -26,6 +26,7 @@ ZOO = {e.name: e for e in zoo("tiny")}
         ("quant.mesa", {"bits": 4}, r"bits=4 .*8-bit"),
         ("quant.mesa", {"ema_decay": 1.5}, r"ema_decay=1.5 .*\[0, 1\)"),
         ("quant.int8", {"norm_bits": "high"}, r"norm_bits='high'"),
+        ("quant.int2", {"attn_bits": 3}, r"attn_bits=3 must be 1, 2, 4, 8 or None"),
         ("quant.int8", {"bitz": 2}, r"It accepts: group_size, stochastic, seed, norm_bits"),
     ],
 )
@@ -207,3 +208,52 @@ def test_batchnorm_on_small_maps_is_grouped_by_channel_over_the_batch() -> None:
     (out * r).sum().backward()
     assert F.cosine_similarity(ref.flatten(), got_in.grad.flatten(), dim=0) > 0.99
     assert sum(r.compressed for r in s.tally.rows.values()) >= 1
+
+
+def _attention_rows(model: nn.Module, **options: object) -> tuple[dict[str, int], torch.Tensor]:
+    torch.manual_seed(0)
+    idx = torch.randint(0, 128, (2, 16))
+    with ts.stash("quant.int2", min_bytes=0, seed=1, **options) as s:
+        model(idx).square().mean().backward()
+    stored = {r.module_type: r.stored_bytes for r in s.tally.rows.values()}
+    shared = sum(r.shared for r in s.tally.rows.values() if r.module_type == "SelfAttention")
+    grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    return {**stored, "shared": shared}, grad
+
+
+def test_attn_bits_widens_attention_only() -> None:
+    from torchstash.zoo import GPT
+
+    torch.manual_seed(0)
+    model = GPT(dim=64, layers=1, ctx=16)
+    base, _ = _attention_rows(model)
+    wide, _ = _attention_rows(model, attn_bits=8)
+    # q, k, v and the attention map: 2 bits to 8 (plus the same scales)
+    assert wide["SelfAttention"] > 2.5 * base["SelfAttention"]
+    for kind in ("Linear", "GELU", "LayerNorm"):
+        assert wide[kind] == base[kind], kind
+    assert wide["shared"] >= 1  # the map, saved by softmax and by attn @ v, stored once
+
+
+def test_attn_bits_brings_gradients_closer() -> None:
+    from torchstash.zoo import GPT
+
+    torch.manual_seed(0)
+    model = GPT(dim=64, layers=1, ctx=16)
+    torch.manual_seed(0)
+    idx = torch.randint(0, 128, (2, 16))
+    model(idx).square().mean().backward()
+    exact = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    error = {}
+    for bits in (None, 8):
+        errs = []
+        for seed in range(4):
+            with ts.stash("quant.int2", min_bytes=0, seed=seed, attn_bits=bits):
+                model(idx).square().mean().backward()
+            got = torch.cat([p.grad.flatten() for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+            errs.append(float((got - exact).square().sum() / exact.square().sum()))
+        error[bits] = sum(errs) / len(errs)
+    assert error[8] < error[None]

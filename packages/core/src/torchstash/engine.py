@@ -257,6 +257,7 @@ class Engine:
             role=role_of(t) if op else "",
             ordinal=ordinal,
             call=frame.call if frame else 0,
+            training=bool(getattr(frame.owner, "training", True)) if frame else True,
         )
 
     def skip_module_state(self, module: torch.nn.Module) -> None:
@@ -290,11 +291,15 @@ class Engine:
             hit = ref() if ref is not None else None
             # Shared only when stored by the same compressor in the same way: an op-specific
             # code (a ReLU's sign mask) must not stand in for the tensor another op saved.
+            # A tensor another op already holds as is is shared as is: a compressed copy
+            # beside it would only add memory (a ReLU's output that a conv also saves).
             if (
                 hit is not None
                 and hit.source() is not None
-                and hit.compressor is compressor
-                and hit.variant == variant
+                and (
+                    (hit.compressor is compressor and hit.variant == variant)
+                    or (hit.compressor is None and hit.site is not _PARAMETER)
+                )
             ):
                 row.shared += 1
                 shape = tuple(t.shape)  # the stored value (tensor or Packed) has its shape

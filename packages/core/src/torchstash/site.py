@@ -30,6 +30,9 @@ class Site:
     ordinal: int = 0
     #: which call of the module in this step (a shared module is called several times)
     call: int = 0
+    #: that module's ``training`` flag (True outside a module): a strategy that changes
+    #: gradients on purpose (dropping values) can leave eval-mode passes exact
+    training: bool = True
 
     @property
     def key(self) -> str:

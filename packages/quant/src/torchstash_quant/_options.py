@@ -46,3 +46,16 @@ def check_deriv_bits(value: object, strategy: str, default: int | None) -> int |
             f"(None stores GELU/SiLU inputs as values)"
         )
     return value
+
+
+def check_attn_bits(value: object, strategy: str) -> int | None:
+    """``attn_bits``: width of attention's tensors (softmax outputs, matmul operands); None
+    keeps them at the strategy's own width."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value not in BITS:
+        raise OptionError(
+            f"{strategy}: option attn_bits={value!r} must be 1, 2, 4, 8 or None "
+            f"(None stores attention's tensors at the strategy's width)"
+        )
+    return value

@@ -12,6 +12,9 @@ takes the tensor instead. Other tensors: groups inside one innermost row where t
 at most twice the scales.
 Inputs of GELU and SiLU: with ``deriv_bits`` set, a code of their derivative
 (:mod:`.derivs`) instead of the values.
+Attention's tensors (a softmax's output, both operands of a matmul of two activations):
+with ``attn_bits`` set, at that width instead of the codec's (measured in the demo at 2 bits:
+they cost more of the final loss than everything else together).
 (Softmax already saves only its output, and the engine stores a tensor saved by several
 ops once, so an attention map is never kept twice.)
 """
@@ -23,6 +26,7 @@ from dataclasses import replace
 import torch
 
 from torchstash.compressor import BaseCompressor, Compressor
+from torchstash.optrack import STATE
 from torchstash.packed import Packed
 from torchstash.site import Site
 
@@ -42,18 +46,36 @@ from .rows import aligned_group_size, channel_major_run, normalized_run
 
 #: Ops whose backward amplifies an error in their saved input (it is normalized again).
 NORM_OPS = frozenset({"layer_norm", "group_norm", "rms_norm", "batch_norm"})
+#: Ops whose saved tensors are attention's when no operand is a Parameter (see attn_bits).
+ATTENTION_OPS = frozenset({"matmul", "softmax"})
+
+
+def is_attention(x: torch.Tensor, site: Site) -> bool:
+    """A softmax's output, or an operand of a matmul of two activations (``q @ k.T``,
+    ``attn @ v``); a matmul with a Parameter is a linear layer in disguise."""
+    if site.op == "softmax":
+        return site.role == "output"
+    if site.op != "matmul":
+        return False
+    return not any(isinstance(a, torch.nn.Parameter) for a in STATE.args)
 
 
 class OpAware(BaseCompressor):
     lossless = False
 
     def __init__(
-        self, values: Compressor, norms: Compressor | None = None, derivs: DerivCoder | None = None
+        self,
+        values: Compressor,
+        norms: Compressor | None = None,
+        derivs: DerivCoder | None = None,
+        attn_bits: int | None = None,
     ) -> None:
         self.values = values
         self.norms = norms
         #: GELU/SiLU derivative codes (None: their inputs go to the value codec)
         self.derivs = derivs
+        #: width of attention's tensors (None: the value codec's); needs a codec taking bits=
+        self.attn_bits = attn_bits
         self.name = values.name
         self.composable = getattr(values, "composable", None)
         #: the value codec takes ``group_size=`` per tensor (see :meth:`_norm_group_size`)
@@ -100,6 +122,8 @@ class OpAware(BaseCompressor):
             return "deriv"
         if site.op in NORM_OPS and (self.norms is not None or self._aligns):
             return "norm"
+        if self.attn_bits is not None and self._aligns and is_attention(x, site):
+            return "attn"
         return ""
 
     def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
@@ -113,7 +137,7 @@ class OpAware(BaseCompressor):
             and self._channel_major_group_size(x, site) is None
         ):
             return self.norms.unsupported(x, site)
-        if kind:
+        if kind and kind != "attn":
             return []
         return self.values.unsupported(x, site)
 
@@ -146,6 +170,10 @@ class OpAware(BaseCompressor):
                 packed.meta["norm"] = True
             return packed
         rows = self._row_group_size(x)
+        if kind == "attn":
+            return self.values.compress(  # type: ignore[call-arg]
+                x, site, bits=self.attn_bits, group_size=rows
+            )
         if rows is not None:
             return self.values.compress(x, site, group_size=rows)  # type: ignore[call-arg]
         return self.values.compress(x, site)

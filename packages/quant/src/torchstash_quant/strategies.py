@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._options import check_deriv_bits
+from ._options import check_attn_bits, check_deriv_bits
 from .auto import AutoQuantizer
 from .derivs import DerivCoder
 from .fp8 import Fp8Quantizer
@@ -29,11 +29,13 @@ def quant(
     seed: int | None = None,
     norm_bits: int | str | None = "auto",
     deriv_bits: int | str | None = "auto",
+    attn_bits: int | None = None,
 ) -> OpAware:
     """Per-group quantization at ``bits`` (1, 2, 4 or 8), plus exact 1-bit ReLU and mask codes;
     inputs of normalization ops at ``norm_bits`` (``"auto"``: 8 when ``bits`` is 4, 4 below;
     None: at ``bits`` like everything else); GELU/SiLU inputs as derivative codes of
-    ``deriv_bits`` (``"auto"``: 2 bits below 4, else their values; see :data:`DERIV_DEFAULT`)."""
+    ``deriv_bits`` (``"auto"``: 2 bits below 4, else their values; see :data:`DERIV_DEFAULT`);
+    attention's softmax outputs and matmul operands at ``attn_bits`` (None: at ``bits``)."""
     name = f"quant.int{bits}"
     values = GroupQuantizer(bits, group_size, stochastic, seed, name=name)
     width = check_deriv_bits(deriv_bits, name, DERIV_DEFAULT.get(values.bits))
@@ -49,7 +51,7 @@ def quant(
     norms = None
     if norm_bits is not None and norm_bits != bits:
         norms = GroupQuantizer(norm_bits, group_size, stochastic, seed, name=name)
-    return OpAware(values, norms, derivs)
+    return OpAware(values, norms, derivs, check_attn_bits(attn_bits, name))
 
 
 def _fixed(bits: int) -> object:
@@ -59,8 +61,9 @@ def _fixed(bits: int) -> object:
         seed: int | None = None,
         norm_bits: int | str | None = "auto",
         deriv_bits: int | str | None = "auto",
+        attn_bits: int | None = None,
     ) -> OpAware:
-        return quant(bits, group_size, stochastic, seed, norm_bits, deriv_bits)
+        return quant(bits, group_size, stochastic, seed, norm_bits, deriv_bits, attn_bits)
 
     factory.__name__ = f"int{bits}"
     return factory

@@ -1,0 +1,193 @@
+"""Public top-k selection by magnitude and sparse storage: the compiled kernel when it can run, else the reference.
+
+``dropit.mink`` keeps the ``k`` largest magnitudes of each segment of a saved tensor, as a
+1-bit mask plus the kept values, or as 16-bit in-block offsets plus the values. The kernels
+find each segment's threshold by a radix select on the magnitudes' bit patterns (256-bin
+histograms, two or four passes) and compact by prefix counts, with no sort and no int64
+index temporaries. The bit-exact definition is :mod:`torchstash.kernels.sparse_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import KernelUnavailable
+from ._checks import check_numel, check_packed
+from ._dispatch import Impl, use_kernel
+from .groupquant import FLOAT_DTYPES
+from .sparse_reference import (
+    OFFSET_BLOCK,
+    mask_compact_ref,
+    mask_offsets_ref,
+    mask_scatter_ref,
+    offsets_scatter_ref,
+    topk_mask_ref,
+)
+
+__all__ = [
+    "OFFSET_BLOCK",
+    "mask_compact",
+    "mask_offsets",
+    "mask_scatter",
+    "offsets_scatter",
+    "topk_mask",
+]
+
+_ALLOWED = "float32, float16, bfloat16"
+
+
+def _use_kernel(impl: Impl, device: torch.device, name: str) -> bool:
+    """As :func:`use_kernel`, and only when the built extension defines ``name`` (one built
+    from older sources may not): ``impl="kernel"`` then raises instead of falling back."""
+    if not use_kernel(impl, device):
+        return False
+    if hasattr(torch.ops.torchstash, name):
+        return True
+    if impl == "kernel":
+        raise KernelUnavailable(
+            f"{name}: the compiled extension has no such op; rebuild the kernels"
+        )
+    return False
+
+
+def _check_float_tensor(t: object, name: str, *, op: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{op}: {name} must be one of {_ALLOWED}, got {t.dtype}; convert with .float()"
+        )
+    return t
+
+
+def _check_int(value: object, name: str, *, op: str, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{op}: {name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def _check_segments(numel: int, segments: int, k: int, *, op: str) -> None:
+    if numel % segments:
+        raise ValueError(
+            f"{op}: {numel} elements do not split into {segments} equal segments; "
+            "pass a segment count that divides the number of elements"
+        )
+    if numel and k > numel // segments:
+        raise ValueError(f"{op}: k={k} is more than a segment's {numel // segments} elements")
+
+
+def _check_mask(packed: object, numel: int, *, op: str) -> torch.Tensor:
+    check_packed(packed, 1, numel, op=op)
+    assert isinstance(packed, torch.Tensor)
+    return packed
+
+
+def _check_same_device(a: torch.Tensor, b: torch.Tensor, names: str, *, op: str) -> None:
+    if a.device != b.device:
+        raise ValueError(f"{op}: {names} are on {a.device} and {b.device}; keep them on one device")
+
+
+def topk_mask(
+    x: torch.Tensor, segments: int, k: int, *, exact: bool = True, impl: Impl = "auto"
+) -> torch.Tensor:
+    """The packed 1-bit mask (uint8, ``ceil(numel / 8)`` bytes) of the ``k`` largest
+    magnitudes in each of ``segments`` equal segments of ``x.contiguous()`` (flat order).
+
+    NaN ranks above Inf, Inf above every finite value; equal magnitudes go to the lower
+    index. ``exact=False`` ranks float32 magnitudes at bfloat16 precision (two radix passes
+    instead of four); float16 and bfloat16 are always exact.
+    """
+    op = "topk_mask"
+    x = _check_float_tensor(x, "x", op=op)
+    _check_int(segments, "segments", op=op, low=1)
+    _check_int(k, "k", op=op, low=0)
+    _check_segments(x.numel(), segments, k, op=op)
+    if not isinstance(exact, bool):
+        raise TypeError(f"{op}: exact must be a bool, got {type(exact).__name__}")
+    if _use_kernel(impl, x.device, "topk_mask"):
+        mask: torch.Tensor = torch.ops.torchstash.topk_mask(x, segments, k, exact)
+        return mask
+    return topk_mask_ref(x, segments, k, exact)
+
+
+def mask_compact(
+    x: torch.Tensor, packed: torch.Tensor, kept: int, *, impl: Impl = "auto"
+) -> torch.Tensor:
+    """The ``kept`` values of ``x.contiguous()`` (flat order) whose mask bit is set (1-D)."""
+    op = "mask_compact"
+    x = _check_float_tensor(x, "x", op=op)
+    packed = _check_mask(packed, x.numel(), op=op)
+    _check_same_device(x, packed, "x and the mask", op=op)
+    _check_int(kept, "kept", op=op, low=0)
+    if _use_kernel(impl, x.device, "mask_compact"):
+        values: torch.Tensor = torch.ops.torchstash.mask_compact(x, packed, kept)
+        return values
+    return mask_compact_ref(x, packed, kept)
+
+
+def mask_scatter(
+    packed: torch.Tensor, values: torch.Tensor, numel: int, *, impl: Impl = "auto"
+) -> torch.Tensor:
+    """Dense 1-D tensor of ``numel`` elements: ``values`` at the set bits, zero elsewhere."""
+    op = "mask_scatter"
+    check_numel(numel, op=op)
+    packed = _check_mask(packed, numel, op=op)
+    values = _check_float_tensor(values, "values", op=op)
+    _check_same_device(values, packed, "values and the mask", op=op)
+    if values.dim() != 1:
+        raise ValueError(f"{op}: values must be 1-D, got shape {tuple(values.shape)}")
+    if _use_kernel(impl, values.device, "mask_scatter"):
+        out: torch.Tensor = torch.ops.torchstash.mask_scatter(packed, values, numel)
+        return out
+    return mask_scatter_ref(packed, values, numel)
+
+
+def mask_offsets(
+    packed: torch.Tensor, numel: int, kept: int, *, impl: Impl = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mask's set bits as uint16 offsets inside blocks of :data:`OFFSET_BLOCK` elements
+    (flat order), and the int32 count of set bits per block."""
+    op = "mask_offsets"
+    check_numel(numel, op=op)
+    packed = _check_mask(packed, numel, op=op)
+    _check_int(kept, "kept", op=op, low=0)
+    if _use_kernel(impl, packed.device, "mask_offsets"):
+        offsets, counts = torch.ops.torchstash.mask_offsets(packed, numel, kept)
+        return offsets, counts
+    return mask_offsets_ref(packed, numel, kept)
+
+
+def offsets_scatter(
+    offsets: torch.Tensor,
+    counts: torch.Tensor,
+    values: torch.Tensor,
+    numel: int,
+    *,
+    impl: Impl = "auto",
+) -> torch.Tensor:
+    """Dense 1-D tensor of ``numel`` elements from :func:`mask_offsets`' form and the values."""
+    op = "offsets_scatter"
+    check_numel(numel, op=op)
+    values = _check_float_tensor(values, "values", op=op)
+    blocks = (numel + OFFSET_BLOCK - 1) // OFFSET_BLOCK
+    if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.uint16 or offsets.dim() != 1:
+        raise TypeError(f"{op}: offsets must be 1-D uint16, as mask_offsets returns them")
+    if (
+        not isinstance(counts, torch.Tensor)
+        or counts.dtype != torch.int32
+        or counts.shape != (blocks,)
+    ):
+        raise TypeError(
+            f"{op}: counts must be int32 of shape ({blocks},) for {numel} elements, "
+            "as mask_offsets returns them"
+        )
+    if offsets.numel() != values.numel() or values.dim() != 1:
+        raise ValueError(
+            f"{op}: {offsets.numel()} offsets need as many 1-D values, got shape {tuple(values.shape)}"
+        )
+    for t, name in ((offsets, "offsets"), (counts, "counts")):
+        _check_same_device(values, t, f"values and {name}", op=op)
+    if _use_kernel(impl, values.device, "offsets_scatter"):
+        out: torch.Tensor = torch.ops.torchstash.offsets_scatter(offsets, counts, values, numel)
+        return out
+    return offsets_scatter_ref(offsets, counts, values, numel)

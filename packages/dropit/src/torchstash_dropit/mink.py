@@ -1,0 +1,152 @@
+"""``dropit.mink``: keep the largest-magnitude (1 - gamma) share of linear-type inputs.
+
+DropIT's observation: a linear layer's weight gradient ``G^T X`` barely changes when the
+smallest entries of ``X`` are zeroed, and the input gradient never reads ``X``. This keeps
+exactly ``k`` entries per segment (the whole tensor, each sample, or each row), found by a
+radix select with no sort, and stores them as a bitmap or 16-bit offsets plus the values,
+whichever is smaller (:mod:`.storage`). The kept values are a payload another compressor can
+take (``dropit.mink>quant.int8``). NaN and Inf rank above every finite value, so an overflow
+reaches the weight gradient and GradScaler still sees it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from torchstash.compressor import BaseCompressor
+from torchstash.kernels.sparse import (
+    mask_compact,
+    mask_offsets,
+    mask_scatter,
+    offsets_scatter,
+    topk_mask,
+)
+from torchstash.layout import memory_order, restore
+from torchstash.packed import Packed
+from torchstash.site import Site
+
+from . import storage
+from ._options import SCOPES, STORAGES, check_choice, check_gamma, check_min_numel
+from .sites import batch_of_op, why_not_linear_input
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Tensors with fewer elements are stored as they are: a handful of values saves nothing.
+MIN_NUMEL = 4096
+
+
+class MinK(BaseCompressor):
+    """Keeps the ``1 - gamma`` largest magnitudes per segment of a linear-type input."""
+
+    lossless = False
+    composable = ("values",)
+
+    def __init__(
+        self,
+        gamma: float = 0.9,
+        scope: str = "tensor",
+        storage_form: str = "auto",
+        exact: bool = True,
+        min_numel: int = MIN_NUMEL,
+        name: str = "dropit.mink",
+    ) -> None:
+        self.name = name
+        self.gamma = check_gamma(gamma, name)
+        self.scope = check_choice(scope, "scope", SCOPES, name)
+        self.storage = check_choice(storage_form, "storage", STORAGES, name)
+        if not isinstance(exact, bool):
+            from torchstash.errors import OptionError
+
+            raise OptionError(f"{name}: option exact={exact!r} must be True or False")
+        self.exact = exact
+        self.min_numel = check_min_numel(min_numel, name)
+
+    # -- what it takes -------------------------------------------------------------------------
+
+    def segments(self, flat: torch.Tensor, x: torch.Tensor) -> int:
+        """How many equal segments ``x`` (in memory order ``flat``) is ranked in."""
+        if self.scope == "tensor" or flat.dim() == 0:
+            return 1
+        if self.scope == "row":
+            return flat.numel() // max(int(flat.shape[-1]), 1)
+        return batch_of_op(x) if x.is_contiguous() else int(flat.shape[0])
+
+    def kept_per_segment(self, length: int) -> int:
+        """``ceil((1 - gamma) * length)``: at least one value of a non-empty segment stays."""
+        return min(length, math.ceil((1.0 - self.gamma) * length - 1e-9))
+
+    def plan(self, x: torch.Tensor) -> tuple[int, int, str]:
+        """(segments, kept per segment, storage form) for ``x``; the form is dense where no
+        sparse form is smaller."""
+        flat, _ = memory_order(x)
+        segments = self.segments(flat, x)
+        k = self.kept_per_segment(x.numel() // segments)
+        forms = (storage.BITMAP, storage.OFFSETS) if self.storage == "auto" else (self.storage,)
+        form = storage.cheapest(x.numel(), segments * k, x.element_size(), forms)
+        return segments, k, form
+
+    def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
+        if x.dtype not in FLOAT_DTYPES:
+            return [f"{self.name} thins float32, float16 and bfloat16 tensors, got {x.dtype}"]
+        why = why_not_linear_input(x, site)
+        if why:
+            return [why]
+        if not site.training:
+            return [f"{site.module or 'the module'} is in eval mode: gradients stay exact"]
+        if self.gamma == 0.0:
+            return ["gamma=0 drops nothing: stored as is, gradients exact"]
+        if x.numel() < self.min_numel:
+            return [
+                f"{x.numel()} elements is below min_numel={self.min_numel}: "
+                "too small to save anything"
+            ]
+        if self.plan(x)[2] == storage.DENSE:
+            return [
+                f"at gamma={self.gamma} no sparse form of a {x.dtype} tensor is smaller than dense"
+            ]
+        return []
+
+    # -- codec ---------------------------------------------------------------------------------
+
+    def select(self, flat: torch.Tensor, segments: int, k: int) -> torch.Tensor:
+        """The packed mask of the entries kept: the ``k`` largest magnitudes per segment."""
+        return topk_mask(flat, segments, k, exact=self.exact)
+
+    def kept_values(
+        self, flat: torch.Tensor, mask: torch.Tensor, kept: int, segments: int
+    ) -> torch.Tensor:
+        return mask_compact(flat, mask, kept)
+
+    def compress(self, x: torch.Tensor, site: Site) -> Packed | torch.Tensor:
+        segments, k, form = self.plan(x)
+        if form == storage.DENSE:
+            return x
+        flat, inverse = memory_order(x)
+        mask = self.select(flat, segments, k)
+        kept = segments * k
+        values = self.kept_values(flat, mask, kept, segments)
+        packed = Packed.like(x, self.name, values=values)
+        if form == storage.BITMAP:
+            packed.tensors["mask"] = mask
+        else:
+            offsets, counts = mask_offsets(mask, x.numel(), kept)
+            packed.tensors.update(offsets=offsets, counts=counts)
+        packed.meta.update(form=form, order=inverse, segments=segments, k=k)
+        return packed
+
+    def decompress(self, packed: Packed) -> torch.Tensor:
+        values = packed.tensors["values"]
+        assert isinstance(values, torch.Tensor)
+        n = packed.numel
+        if packed.meta["form"] == storage.BITMAP:
+            mask = packed.tensors["mask"]
+            assert isinstance(mask, torch.Tensor)
+            flat = mask_scatter(mask, values.to(packed.dtype), n)
+        else:
+            offsets, counts = packed.tensors["offsets"], packed.tensors["counts"]
+            assert isinstance(offsets, torch.Tensor) and isinstance(counts, torch.Tensor)
+            flat = offsets_scatter(offsets, counts, values.to(packed.dtype), n)
+        order = packed.meta["order"]
+        assert order is None or isinstance(order, tuple)
+        return restore(flat, packed.shape, order)
