@@ -10,6 +10,7 @@
 
 #include "torchstash/bitpack.h"
 #include "torchstash/groupquant.h"
+#include "torchstash/sparse.h"
 
 namespace torchstash {
 namespace bindings {
@@ -170,6 +171,85 @@ inline groupquant::FloatKind check_channel_dequantize(const at::Tensor& codes, c
   const std::int64_t channels = check_channel_params(op, lo, step, "codes", codes.device());
   check_channel_layout(op, "codes", codes.numel(), inner, channels);
   return float_kind(op, "dtype", dtype);
+}
+
+// ---------------------------------------------------------------- top-k and sparse storage
+
+inline void check_same_device(const char* op, const at::Tensor& a, const char* a_name, const at::Tensor& b,
+                              const char* b_name) {
+  TORCH_CHECK_VALUE(a.device() == b.device(), "torchstash::", op, ": ", a_name, " is on ", a.device(), " but ",
+                    b_name, " is on ", b.device(), "; keep them on one device");
+}
+
+inline void check_kept(const char* op, std::int64_t kept) {
+  TORCH_CHECK_VALUE(kept >= 0, "torchstash::", op, ": kept must be >= 0 (got ", kept,
+                    "); it is the number of set bits of the mask (segments * k for topk_mask's)");
+}
+
+// 1-D float values, on the mask's device.
+inline groupquant::FloatKind check_values(const char* op, const at::Tensor& values, const at::Tensor& other,
+                                          const char* other_name) {
+  const groupquant::FloatKind kind = float_kind(op, "values", values.scalar_type());
+  TORCH_CHECK_VALUE(values.dim() == 1, "torchstash::", op, ": values must be 1-D (got shape ", values.sizes(),
+                    "); pass the tensor that mask_compact returned");
+  check_same_device(op, values, "values", other, other_name);
+  return kind;
+}
+
+// The key kind of x's dtype.
+inline sparse::KeyKind check_topk_mask(const at::Tensor& x, std::int64_t segments, std::int64_t k, bool exact) {
+  constexpr const char* op = "topk_mask";
+  const groupquant::FloatKind kind = float_kind(op, "x", x.scalar_type());
+  TORCH_CHECK_VALUE(segments >= 1, "torchstash::", op, ": segments must be >= 1 (got ", segments,
+                    "); 1 selects over the whole tensor");
+  TORCH_CHECK_VALUE(k >= 0, "torchstash::", op, ": k must be >= 0 (got ", k, ")");
+  const std::int64_t n = x.numel();
+  TORCH_CHECK_VALUE(n % segments == 0, "torchstash::", op, ": ", n, " elements do not split into ", segments,
+                    " equal segments; pass a segment count that divides the number of elements");
+  TORCH_CHECK_VALUE(n == 0 || k <= n / segments, "torchstash::", op, ": k=", k, " is more than a segment's ",
+                    n / segments, " elements");
+  return sparse::key_kind(kind, exact);
+}
+
+inline groupquant::FloatKind check_mask_compact(const at::Tensor& x, const at::Tensor& mask, std::int64_t kept) {
+  constexpr const char* op = "mask_compact";
+  const groupquant::FloatKind kind = float_kind(op, "x", x.scalar_type());
+  check_packed(op, "topk_mask", mask, 1, x.numel());
+  check_same_device(op, x, "x", mask, "the mask");
+  check_kept(op, kept);
+  return kind;
+}
+
+inline groupquant::FloatKind check_mask_scatter(const at::Tensor& mask, const at::Tensor& values,
+                                                std::int64_t numel) {
+  constexpr const char* op = "mask_scatter";
+  check_packed(op, "topk_mask", mask, 1, numel);
+  return check_values(op, values, mask, "the mask");
+}
+
+inline void check_mask_offsets(const at::Tensor& mask, std::int64_t numel, std::int64_t kept) {
+  constexpr const char* op = "mask_offsets";
+  check_packed(op, "topk_mask", mask, 1, numel);
+  check_kept(op, kept);
+}
+
+inline groupquant::FloatKind check_offsets_scatter(const at::Tensor& offsets, const at::Tensor& counts,
+                                                   const at::Tensor& values, std::int64_t numel) {
+  constexpr const char* op = "offsets_scatter";
+  TORCH_CHECK_VALUE(numel >= 0, "torchstash::", op, ": numel must be >= 0 (got ", numel, ")");
+  const groupquant::FloatKind kind = check_values(op, values, offsets, "offsets");
+  TORCH_CHECK_TYPE(offsets.scalar_type() == at::kUInt16 && offsets.dim() == 1, "torchstash::", op,
+                   ": offsets must be 1-D uint16 (got ", offsets.scalar_type(), " of shape ", offsets.sizes(),
+                   "); pass the offsets that mask_offsets returned");
+  const std::int64_t blocks = ceil_div(numel, sparse::kOffsetBlock);
+  TORCH_CHECK_TYPE(counts.scalar_type() == at::kInt && counts.dim() == 1 && counts.numel() == blocks,
+                   "torchstash::", op, ": counts must be int32 of shape (", blocks, ",) for ", numel,
+                   " elements (got ", counts.scalar_type(), " of shape ", counts.sizes(),
+                   "); pass the counts that mask_offsets returned");
+  TORCH_CHECK_VALUE(offsets.numel() == values.numel(), "torchstash::", op, ": ", offsets.numel(),
+                    " offsets need as many values, got ", values.numel());
+  check_same_device(op, counts, "counts", values, "values");
+  return kind;
 }
 
 inline void check_philox_out(const at::Tensor& out) {

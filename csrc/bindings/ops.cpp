@@ -174,6 +174,77 @@ at::Tensor channel_dequantize_cpu(const at::Tensor& codes, const at::Tensor& lo,
   return out;
 }
 
+at::Tensor topk_mask_cpu(const at::Tensor& x, std::int64_t segments, std::int64_t k, bool exact) {
+  const sparse::KeyKind kind = bindings::check_topk_mask(x, segments, k, exact);
+  const at::Tensor c = x.contiguous();
+  const std::int64_t n = c.numel();
+  const std::int64_t nbytes = ceil_div(n, 8);
+  at::Tensor out = c.new_empty({nbytes}, c.options().dtype(at::kByte));
+  prepare_huge_pages(out.mutable_data_ptr(), nbytes);
+  if (n > 0) {
+    cpu::topk_mask(c.const_data_ptr(), kind, n, segments, k, out.mutable_data_ptr<std::uint8_t>(),
+                   threads_for(n * sparse::key_passes(kind) * 2));
+  }
+  return out;
+}
+
+at::Tensor mask_compact_cpu(const at::Tensor& x, const at::Tensor& mask, std::int64_t kept) {
+  const groupquant::FloatKind kind = bindings::check_mask_compact(x, mask, kept);
+  const at::Tensor c = x.contiguous();
+  const at::Tensor m = mask.contiguous();
+  at::Tensor out = c.new_empty({kept});
+  const std::int64_t found = cpu::mask_compact(c.const_data_ptr(), sparse::word_bytes(kind),
+                                               m.const_data_ptr<std::uint8_t>(), c.numel(), kept,
+                                               out.mutable_data_ptr(), threads_for(c.numel() / 4));
+  TORCH_CHECK_VALUE(found == kept, "mask_compact: the mask has ", found, " set bits, not ", kept);
+  return out;
+}
+
+at::Tensor mask_scatter_cpu(const at::Tensor& mask, const at::Tensor& values, std::int64_t numel) {
+  const groupquant::FloatKind kind = bindings::check_mask_scatter(mask, values, numel);
+  const at::Tensor m = mask.contiguous();
+  const at::Tensor v = values.contiguous();
+  at::Tensor out = v.new_empty({numel});
+  prepare_huge_pages(out.mutable_data_ptr(), static_cast<std::int64_t>(out.nbytes()));
+  const std::int64_t found =
+      cpu::mask_scatter(m.const_data_ptr<std::uint8_t>(), v.const_data_ptr(), sparse::word_bytes(kind), v.numel(),
+                        numel, out.mutable_data_ptr(), threads_for(static_cast<std::int64_t>(out.nbytes())));
+  TORCH_CHECK_VALUE(found == v.numel(), "mask_scatter: the mask has ", found, " set bits, but ", v.numel(),
+                    " values were given");
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> mask_offsets_cpu(const at::Tensor& mask, std::int64_t numel, std::int64_t kept) {
+  bindings::check_mask_offsets(mask, numel, kept);
+  const at::Tensor m = mask.contiguous();
+  at::Tensor offsets = m.new_empty({kept}, m.options().dtype(at::kUInt16));
+  at::Tensor counts = m.new_empty({ceil_div(numel, sparse::kOffsetBlock)}, m.options().dtype(at::kInt));
+  const std::int64_t found = cpu::mask_offsets(
+      m.const_data_ptr<std::uint8_t>(), numel, kept, static_cast<std::uint16_t*>(offsets.mutable_data_ptr()),
+      counts.mutable_data_ptr<std::int32_t>(), threads_for(numel / 4));
+  TORCH_CHECK_VALUE(found == kept, "mask_offsets: the mask has ", found, " set bits, not ", kept);
+  return {offsets, counts};
+}
+
+at::Tensor offsets_scatter_cpu(const at::Tensor& offsets, const at::Tensor& counts, const at::Tensor& values,
+                               std::int64_t numel) {
+  const groupquant::FloatKind kind = bindings::check_offsets_scatter(offsets, counts, values, numel);
+  const at::Tensor o = offsets.contiguous();
+  const at::Tensor c = counts.contiguous();
+  const at::Tensor v = values.contiguous();
+  at::Tensor out = v.new_empty({numel});
+  prepare_huge_pages(out.mutable_data_ptr(), static_cast<std::int64_t>(out.nbytes()));
+  const std::int64_t status = cpu::offsets_scatter(
+      static_cast<const std::uint16_t*>(o.const_data_ptr()), o.numel(), c.const_data_ptr<std::int32_t>(),
+      v.const_data_ptr(), sparse::word_bytes(kind), numel, out.mutable_data_ptr(),
+      threads_for(static_cast<std::int64_t>(out.nbytes())));
+  TORCH_CHECK_VALUE(status != -1, "offsets_scatter: counts must be >= 0 and sum to the ", o.numel(),
+                    " offsets; pass the counts that mask_offsets returned");
+  TORCH_CHECK_VALUE(status != -2, "offsets_scatter: an offset of the last block reaches past ", numel,
+                    " elements; pass the numel that mask_offsets was given");
+  return out;
+}
+
 }  // namespace
 }  // namespace torchstash
 
@@ -190,6 +261,11 @@ TORCH_LIBRARY(torchstash, m) {
   m.def("channel_minmax(Tensor x, int inner, int channels) -> (Tensor, Tensor)");
   m.def("channel_quantize(Tensor x, Tensor lo, Tensor step, int inner, int seed, bool stochastic) -> Tensor");
   m.def("channel_dequantize(Tensor codes, Tensor lo, Tensor step, int inner, ScalarType dtype) -> Tensor");
+  m.def("topk_mask(Tensor x, int segments, int k, bool exact) -> Tensor");
+  m.def("mask_compact(Tensor x, Tensor mask, int kept) -> Tensor");
+  m.def("mask_scatter(Tensor mask, Tensor values, int numel) -> Tensor");
+  m.def("mask_offsets(Tensor mask, int numel, int kept) -> (Tensor, Tensor)");
+  m.def("offsets_scatter(Tensor offsets, Tensor counts, Tensor values, int numel) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchstash, CPU, m) {
@@ -201,4 +277,9 @@ TORCH_LIBRARY_IMPL(torchstash, CPU, m) {
   m.impl("channel_minmax", &torchstash::channel_minmax_cpu);
   m.impl("channel_quantize", &torchstash::channel_quantize_cpu);
   m.impl("channel_dequantize", &torchstash::channel_dequantize_cpu);
+  m.impl("topk_mask", &torchstash::topk_mask_cpu);
+  m.impl("mask_compact", &torchstash::mask_compact_cpu);
+  m.impl("mask_scatter", &torchstash::mask_scatter_cpu);
+  m.impl("mask_offsets", &torchstash::mask_offsets_cpu);
+  m.impl("offsets_scatter", &torchstash::offsets_scatter_cpu);
 }

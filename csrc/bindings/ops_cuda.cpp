@@ -125,6 +125,83 @@ at::Tensor channel_dequantize_cuda(const at::Tensor& codes, const at::Tensor& lo
   return out;
 }
 
+// Device scratch memory from torch's caching allocator, on t's device and stream.
+at::Tensor workspace_like(const at::Tensor& t, std::int64_t bytes) {
+  return t.new_empty({bytes > 0 ? bytes : 1}, t.options().dtype(at::kByte));
+}
+
+at::Tensor topk_mask_cuda(const at::Tensor& x, std::int64_t segments, std::int64_t k, bool exact) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const sparse::KeyKind kind = bindings::check_topk_mask(x, segments, k, exact);
+  const at::Tensor c = x.contiguous();
+  const std::int64_t n = c.numel();
+  at::Tensor out = c.new_empty({ceil_div(n, 8)}, c.options().dtype(at::kByte));
+  if (n > 0) {
+    at::Tensor ws = workspace_like(c, sparse::topk_plan(n, segments).bytes);
+    C10_CUDA_CHECK(cuda::launch_topk_mask(c.const_data_ptr(), kind, n, segments, k,
+                                          out.mutable_data_ptr<std::uint8_t>(), ws.mutable_data_ptr(),
+                                          current_stream()));
+  }
+  return out;
+}
+
+at::Tensor mask_compact_cuda(const at::Tensor& x, const at::Tensor& mask, std::int64_t kept) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const groupquant::FloatKind kind = bindings::check_mask_compact(x, mask, kept);
+  const at::Tensor c = x.contiguous();
+  const at::Tensor m = mask.contiguous();
+  at::Tensor out = c.new_empty({kept});
+  at::Tensor ws = workspace_like(c, sparse::compact_workspace(c.numel(), sparse::kMaskChunkBytes));
+  C10_CUDA_CHECK(cuda::launch_mask_compact(c.const_data_ptr(), sparse::word_bytes(kind),
+                                           m.const_data_ptr<std::uint8_t>(), c.numel(), kept,
+                                           out.mutable_data_ptr(), ws.mutable_data_ptr(), current_stream()));
+  return out;
+}
+
+at::Tensor mask_scatter_cuda(const at::Tensor& mask, const at::Tensor& values, std::int64_t numel) {
+  const c10::cuda::CUDAGuard guard(mask.device());
+  const groupquant::FloatKind kind = bindings::check_mask_scatter(mask, values, numel);
+  const at::Tensor m = mask.contiguous();
+  const at::Tensor v = values.contiguous();
+  at::Tensor out = v.new_empty({numel});
+  at::Tensor ws = workspace_like(m, sparse::compact_workspace(numel, sparse::kMaskChunkBytes));
+  C10_CUDA_CHECK(cuda::launch_mask_scatter(m.const_data_ptr<std::uint8_t>(), v.const_data_ptr(),
+                                           sparse::word_bytes(kind), v.numel(), numel, out.mutable_data_ptr(),
+                                           ws.mutable_data_ptr(), current_stream()));
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> mask_offsets_cuda(const at::Tensor& mask, std::int64_t numel,
+                                                     std::int64_t kept) {
+  const c10::cuda::CUDAGuard guard(mask.device());
+  bindings::check_mask_offsets(mask, numel, kept);
+  const at::Tensor m = mask.contiguous();
+  at::Tensor offsets = m.new_empty({kept}, m.options().dtype(at::kUInt16));
+  at::Tensor counts = m.new_empty({ceil_div(numel, sparse::kOffsetBlock)}, m.options().dtype(at::kInt));
+  at::Tensor ws = workspace_like(m, sparse::compact_workspace(numel, sparse::kOffsetBlock / 8));
+  C10_CUDA_CHECK(cuda::launch_mask_offsets(m.const_data_ptr<std::uint8_t>(), numel, kept,
+                                           static_cast<std::uint16_t*>(offsets.mutable_data_ptr()),
+                                           counts.mutable_data_ptr<std::int32_t>(), ws.mutable_data_ptr(),
+                                           current_stream()));
+  return {offsets, counts};
+}
+
+at::Tensor offsets_scatter_cuda(const at::Tensor& offsets, const at::Tensor& counts, const at::Tensor& values,
+                                std::int64_t numel) {
+  const c10::cuda::CUDAGuard guard(values.device());
+  const groupquant::FloatKind kind = bindings::check_offsets_scatter(offsets, counts, values, numel);
+  const at::Tensor o = offsets.contiguous();
+  const at::Tensor c = counts.contiguous();
+  const at::Tensor v = values.contiguous();
+  at::Tensor out = v.new_empty({numel});
+  at::Tensor ws = workspace_like(v, sparse::offsets_scatter_workspace(numel));
+  C10_CUDA_CHECK(cuda::launch_offsets_scatter(static_cast<const std::uint16_t*>(o.const_data_ptr()), o.numel(),
+                                              c.const_data_ptr<std::int32_t>(), v.const_data_ptr(),
+                                              sparse::word_bytes(kind), numel, out.mutable_data_ptr(),
+                                              ws.mutable_data_ptr(), current_stream()));
+  return out;
+}
+
 }  // namespace
 }  // namespace torchstash
 
@@ -137,4 +214,9 @@ TORCH_LIBRARY_IMPL(torchstash, CUDA, m) {
   m.impl("channel_minmax", &torchstash::channel_minmax_cuda);
   m.impl("channel_quantize", &torchstash::channel_quantize_cuda);
   m.impl("channel_dequantize", &torchstash::channel_dequantize_cuda);
+  m.impl("topk_mask", &torchstash::topk_mask_cuda);
+  m.impl("mask_compact", &torchstash::mask_compact_cuda);
+  m.impl("mask_scatter", &torchstash::mask_scatter_cuda);
+  m.impl("mask_offsets", &torchstash::mask_offsets_cuda);
+  m.impl("offsets_scatter", &torchstash::offsets_scatter_cuda);
 }

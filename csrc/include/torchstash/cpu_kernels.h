@@ -9,6 +9,7 @@
 #include "torchstash/channelquant.h"
 #include "torchstash/common.h"
 #include "torchstash/groupquant.h"
+#include "torchstash/sparse.h"
 
 namespace torchstash {
 namespace cpu {
@@ -48,6 +49,33 @@ void channel_quantize(const void* x, groupquant::FloatKind kind, index_t n, inde
 // out[0, n) (float32, float16 or bfloat16 per `kind`) <- the values of codes[0, n).
 void channel_dequantize(const std::uint8_t* codes, index_t n, index_t inner, index_t channels, const float* lo,
                         const float* step, groupquant::FloatKind kind, void* out, int num_threads);
+
+// Top-k by magnitude and sparse storage (sparse.h); x is float32, float16 or bfloat16 bits.
+// out[0, ceil(n / 8)) <- the packed mask of the k greatest keys of each of `segments` equal
+// segments of x[0, n) (n a multiple of segments, k <= n / segments).
+void topk_mask(const void* x, sparse::KeyKind kind, index_t n, index_t segments, index_t k, std::uint8_t* out,
+               int num_threads);
+
+// The mask's set bits among n elements, counted; when they are `kept`, out[0, kept) <- the
+// elements (of word_bytes bytes each) of x at the set bits, in flat order. Returns the count.
+index_t mask_compact(const void* x, int word_bytes, const std::uint8_t* mask, index_t n, index_t kept, void* out,
+                     int num_threads);
+
+// The mask's set bits counted; when they are `nvalues`, out[0, n) <- values at the set bits
+// (flat order), zero elsewhere. Returns the count.
+index_t mask_scatter(const std::uint8_t* mask, const void* values, int word_bytes, index_t nvalues, index_t n,
+                     void* out, int num_threads);
+
+// counts[0, ceil(n / kOffsetBlock)) <- set bits per block; when they sum to `kept`,
+// offsets[0, kept) <- their positions inside their blocks (flat order). Returns the sum.
+index_t mask_offsets(const std::uint8_t* mask, index_t n, index_t kept, std::uint16_t* offsets, std::int32_t* counts,
+                     int num_threads);
+
+// out[0, n) <- values at the positions the offsets and block counts give, zero elsewhere.
+// Returns 0, or without writing: -1 when the counts are negative or do not sum to
+// noffsets, -2 when an offset of the last block reaches past n.
+index_t offsets_scatter(const std::uint16_t* offsets, index_t noffsets, const std::int32_t* counts,
+                        const void* values, int word_bytes, index_t n, void* out, int num_threads);
 
 }  // namespace cpu
 }  // namespace torchstash

@@ -12,6 +12,7 @@
 #include "torchstash/channelquant.h"
 #include "torchstash/common.h"
 #include "torchstash/groupquant.h"
+#include "torchstash/sparse.h"
 
 namespace torchstash {
 namespace cuda {
@@ -56,6 +57,36 @@ cudaError_t launch_channel_quantize(const void* x, groupquant::FloatKind kind, i
 cudaError_t launch_channel_dequantize(const std::uint8_t* codes, index_t n, index_t inner, index_t channels,
                                       const float* lo, const float* step, groupquant::FloatKind kind, void* out,
                                       cudaStream_t stream);
+
+// Top-k by magnitude and sparse storage (sparse.h). `workspace` is device memory the caller
+// allocates (its size below); nothing is synchronised with the host, so the set-bit counts
+// are not checked: slots the mask leaves empty are zero, set bits past them are dropped.
+// out[0, ceil(n / 8)) <- the packed mask of the k greatest keys of each of `segments`
+// equal segments of x[0, n); workspace: sparse::topk_plan(n, segments).bytes.
+cudaError_t launch_topk_mask(const void* x, sparse::KeyKind kind, index_t n, index_t segments, index_t k,
+                             std::uint8_t* out, void* workspace, cudaStream_t stream);
+
+// out[0, kept) <- the elements (word_bytes each) of x[0, n) at the mask's set bits, flat order;
+// workspace: sparse::compact_workspace(n, sparse::kMaskChunkBytes).
+cudaError_t launch_mask_compact(const void* x, int word_bytes, const std::uint8_t* mask, index_t n, index_t kept,
+                                void* out, void* workspace, cudaStream_t stream);
+
+// out[0, n) <- values[0, nvalues) at the mask's set bits (flat order), zero elsewhere;
+// workspace: sparse::compact_workspace(n, sparse::kMaskChunkBytes).
+cudaError_t launch_mask_scatter(const std::uint8_t* mask, const void* values, int word_bytes, index_t nvalues,
+                                index_t n, void* out, void* workspace, cudaStream_t stream);
+
+// counts[0, ceil(n / kOffsetBlock)) <- set bits per block, offsets[0, kept) <- their positions
+// inside their blocks; workspace: sparse::compact_workspace(n, sparse::kOffsetBlock / 8).
+cudaError_t launch_mask_offsets(const std::uint8_t* mask, index_t n, index_t kept, std::uint16_t* offsets,
+                                std::int32_t* counts, void* workspace, cudaStream_t stream);
+
+// out[0, n) <- values at the positions the offsets and block counts give, zero elsewhere
+// (positions past n and offsets past noffsets ignored); workspace:
+// sparse::offsets_scatter_workspace(n).
+cudaError_t launch_offsets_scatter(const std::uint16_t* offsets, index_t noffsets, const std::int32_t* counts,
+                                   const void* values, int word_bytes, index_t n, void* out, void* workspace,
+                                   cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace torchstash
