@@ -3,7 +3,9 @@
 ``pack_bits``/``unpack_bits`` store small integer codes densely, ``philox_uniform``
 draws reproducible random numbers, ``group_quantize``/``group_dequantize`` store floats
 at 1-8 bits with per-group stochastic rounding, ``channel_minmax``/``channel_quantize``/
-``channel_dequantize`` store them at 8 bits with a scale per channel (Mesa's layout); each
+``channel_dequantize`` store them at 8 bits with a scale per channel (Mesa's layout),
+``topk_mask``/``mask_compact``/``mask_scatter``/``mask_offsets``/``offsets_scatter`` keep the
+``k`` largest magnitudes per segment as a 1-bit mask or 16-bit offsets plus values; each
 runs a JIT-built C++/CUDA kernel when one is available (see ``status()``) and the
 pure-PyTorch reference (``torchstash.kernels.reference`` and the ``*_reference`` modules) if not.
 """
@@ -16,8 +18,17 @@ from .channelquant import channel_dequantize, channel_minmax, channel_quantize
 from .groupquant import group_dequantize, group_quantize
 from .loader import available, load, status
 from .philox import philox_uniform
+from .sparse import (
+    OFFSET_BLOCK,
+    mask_compact,
+    mask_offsets,
+    mask_scatter,
+    offsets_scatter,
+    topk_mask,
+)
 
 __all__ = [
+    "OFFSET_BLOCK",
     "Impl",
     "available",
     "channel_dequantize",
@@ -26,10 +37,15 @@ __all__ = [
     "group_dequantize",
     "group_quantize",
     "load",
+    "mask_compact",
+    "mask_offsets",
+    "mask_scatter",
+    "offsets_scatter",
     "pack_bits",
     "pack_mask",
     "philox_uniform",
     "status",
+    "topk_mask",
     "unpack_bits",
     "unpack_mask",
 ]

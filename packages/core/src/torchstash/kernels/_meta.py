@@ -107,6 +107,76 @@ def _channel_dequantize_fake(
     return codes.new_empty((codes.numel(),), dtype=dtype)
 
 
+_OFFSET_BLOCK = 1 << 16
+
+
+def _check_kept(kept: int) -> None:
+    torch._check(kept >= 0, lambda: f"kept must be >= 0, got {kept}")
+
+
+def _check_mask(mask: torch.Tensor, numel: int) -> None:
+    torch._check(mask.dtype == torch.uint8, lambda: f"the mask must be uint8, got {mask.dtype}")
+    torch._check(numel >= 0, lambda: f"numel must be >= 0, got {numel}")
+    torch._check(
+        mask.numel() == (numel + 7) // 8,
+        lambda: f"{numel} elements need a mask of {(numel + 7) // 8} bytes, got {mask.numel()}",
+    )
+
+
+def _topk_mask_fake(x: torch.Tensor, segments: int, k: int, exact: bool) -> torch.Tensor:
+    torch._check(
+        x.dtype in _FLOATS, lambda: f"x must be float32, float16 or bfloat16, got {x.dtype}"
+    )
+    torch._check(segments >= 1, lambda: f"segments must be >= 1, got {segments}")
+    torch._check(k >= 0, lambda: f"k must be >= 0, got {k}")
+    return x.new_empty(((x.numel() + 7) // 8,), dtype=torch.uint8)
+
+
+def _mask_compact_fake(x: torch.Tensor, mask: torch.Tensor, kept: int) -> torch.Tensor:
+    torch._check(
+        x.dtype in _FLOATS, lambda: f"x must be float32, float16 or bfloat16, got {x.dtype}"
+    )
+    _check_mask(mask, x.numel())
+    _check_kept(kept)
+    return x.new_empty((kept,))
+
+
+def _mask_scatter_fake(mask: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
+    _check_mask(mask, numel)
+    torch._check(
+        values.dtype in _FLOATS,
+        lambda: f"values must be float32, float16 or bfloat16, got {values.dtype}",
+    )
+    return values.new_empty((numel,))
+
+
+def _mask_offsets_fake(
+    mask: torch.Tensor, numel: int, kept: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_mask(mask, numel)
+    _check_kept(kept)
+    blocks = (numel + _OFFSET_BLOCK - 1) // _OFFSET_BLOCK
+    return (
+        mask.new_empty((kept,), dtype=torch.uint16),
+        mask.new_empty((blocks,), dtype=torch.int32),
+    )
+
+
+def _offsets_scatter_fake(
+    offsets: torch.Tensor, counts: torch.Tensor, values: torch.Tensor, numel: int
+) -> torch.Tensor:
+    torch._check(
+        offsets.dtype == torch.uint16, lambda: f"offsets must be uint16, got {offsets.dtype}"
+    )
+    torch._check(counts.dtype == torch.int32, lambda: f"counts must be int32, got {counts.dtype}")
+    torch._check(
+        values.dtype in _FLOATS,
+        lambda: f"values must be float32, float16 or bfloat16, got {values.dtype}",
+    )
+    torch._check(numel >= 0, lambda: f"numel must be >= 0, got {numel}")
+    return values.new_empty((numel,))
+
+
 def _op_defined(name: str) -> bool:
     try:
         getattr(torch.ops.torchstash, name).default  # noqa: B018
@@ -135,6 +205,12 @@ def register() -> None:
         torch.library.register_fake("torchstash::channel_minmax", _channel_minmax_fake)
         torch.library.register_fake("torchstash::channel_quantize", _channel_quantize_fake)
         torch.library.register_fake("torchstash::channel_dequantize", _channel_dequantize_fake)
+    if _op_defined("topk_mask"):
+        torch.library.register_fake("torchstash::topk_mask", _topk_mask_fake)
+        torch.library.register_fake("torchstash::mask_compact", _mask_compact_fake)
+        torch.library.register_fake("torchstash::mask_scatter", _mask_scatter_fake)
+        torch.library.register_fake("torchstash::mask_offsets", _mask_offsets_fake)
+        torch.library.register_fake("torchstash::offsets_scatter", _offsets_scatter_fake)
     _registered = True
 
 

@@ -1,12 +1,14 @@
 """CPU benchmark: compiled kernels against the pure-PyTorch reference.
 
 ``python -m torchstash.kernels.bench [--mib 64] [--repeat 5] [--threads N] [--json]
-[--check RATIO] [--suite bitpack|groupquant|channelquant]``. Sizes are of the unpacked side:
+[--check RATIO] [--suite bitpack|groupquant|channelquant|sparse]``. Sizes are of the unpacked side:
 ``mib`` MiB of uint8 codes for pack/unpack, ``mib`` MiB of float32 output for philox_uniform,
 ``mib`` MiB of float32 input (quantize) or output (dequantize, group size 256) for the
 ``groupquant`` suite, ``mib`` MiB of float32 input or output for the ``channelquant`` suite
 (8-bit codes, stochastic rounding; a (16, 16 heads, ...) layout, then 512 channels with
-``inner = 1``). Reference and kernel runs alternate after a warm-up; speedups are
+``inner = 1``), ``mib`` MiB of float32 input or output for the ``sparse`` suite (top-k masks
+over the whole tensor and per row, then the storage ops on a 10% mask). Reference and kernel
+runs alternate after a warm-up; speedups are
 ratios of medians ("best": of the fastest runs). ``--check RATIO`` exits 1 when a row
 other than the 8-bit copies stays below RATIO after one re-measurement with twice the
 runs (shared machines are noisy).
@@ -31,13 +33,15 @@ from .bitpack import pack_bits, unpack_bits
 from .channelquant import channel_dequantize, channel_minmax, channel_quantize
 from .groupquant import group_dequantize, group_quantize
 from .philox import philox_uniform
+from .sparse import mask_compact, mask_offsets, mask_scatter, offsets_scatter, topk_mask
 
 __all__ = ["SUITES", "BenchRow", "failures", "main", "run"]
 
 #: Case families: ``bitpack`` (pack/unpack at 1-8 bits, philox_uniform),
 #: ``groupquant`` (group_quantize/group_dequantize at 2 and 8 bits) and ``channelquant``
-#: (channel_minmax/channel_quantize/channel_dequantize per head and per channel).
-SUITES = ("bitpack", "groupquant", "channelquant")
+#: (channel_minmax/channel_quantize/channel_dequantize per head and per channel) and
+#: ``sparse`` (topk_mask, mask_compact/mask_scatter, mask_offsets/offsets_scatter).
+SUITES = ("bitpack", "groupquant", "channelquant", "sparse")
 _COPY_OPS = ("pack_bits", "unpack_bits")  # plain copies at 8 bits
 
 
@@ -159,6 +163,40 @@ def _channel_cases(mib: float, seed: int) -> list[_Case]:
     return cases
 
 
+def _sparse_cases(mib: float, seed: int) -> list[_Case]:
+    """topk_mask on ``mib`` MiB of float32: one segment (exact and at bfloat16 precision),
+    rows of 1024 and rows of 64; then the storage ops on a 10% mask of one segment."""
+    n = int(mib * 2**20) // 4 // 1024 * 1024
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    cases: list[_Case] = []
+    for segments, k, exact, note in (
+        (1, n // 100, True, "1 segment, k = 1%"),
+        (1, n // 100, False, "1 segment, k = 1%, exact=False"),
+        (n // 1024, 102, True, "rows of 1024, k = 102"),
+        (n // 64, 6, True, "rows of 64, k = 6"),
+    ):
+        cases.append(
+            ("topk_mask", None, partial(topk_mask, x, segments, k, exact=exact, impl="ref"),
+             partial(topk_mask, x, segments, k, exact=exact, impl="kernel"), note)
+        )  # fmt: skip
+    kept = n // 10
+    mask = topk_mask(x, 1, kept, impl="kernel")
+    values = mask_compact(x, mask, kept, impl="kernel")
+    offsets, counts = mask_offsets(mask, n, kept, impl="kernel")
+    note = "10% of one segment"
+    cases += [
+        ("mask_compact", None, partial(mask_compact, x, mask, kept, impl="ref"),
+         partial(mask_compact, x, mask, kept, impl="kernel"), note),
+        ("mask_scatter", None, partial(mask_scatter, mask, values, n, impl="ref"),
+         partial(mask_scatter, mask, values, n, impl="kernel"), note),
+        ("mask_offsets", None, partial(mask_offsets, mask, n, kept, impl="ref"),
+         partial(mask_offsets, mask, n, kept, impl="kernel"), note),
+        ("offsets_scatter", None, partial(offsets_scatter, offsets, counts, values, n, impl="ref"),
+         partial(offsets_scatter, offsets, counts, values, n, impl="kernel"), note),
+    ]  # fmt: skip
+    return cases
+
+
 def run(
     mib: float = 64,
     repeat: int = 5,
@@ -185,6 +223,8 @@ def run(
         cases += _group_cases(mib, seed)
     if "channelquant" in suites:
         cases += _channel_cases(mib, seed)
+    if "sparse" in suites:
+        cases += _sparse_cases(mib, seed)
     rows = []
     for op, bits, ref, kernel, *note in cases:
         row = _row(op, bits, mib, ref, kernel, repeat)
