@@ -518,7 +518,9 @@ def test_bench_smoke(kernels_on: None) -> None:
         "mask_offsets",
         "offsets_scatter",
     }
-    assert all(r.ref_ms > 0 and r.kernel_ms > 0 and not r.copy for r in rows)
+    assert all(r.ref_ms > 0 and r.kernel_ms > 0 for r in rows)
+    # only offsets_scatter, write-bound on both sides, is left out of the --check gate
+    assert {r.op for r in rows if r.copy} == {"offsets_scatter"}
     assert "topk_mask" in bench.format_table(rows)
 
 
