@@ -298,7 +298,7 @@ class Engine:
                 and hit.source() is not None
                 and (
                     (hit.compressor is compressor and hit.variant == variant)
-                    or (hit.compressor is None and hit.site is not _PARAMETER)
+                    or hit.compressor is None
                 )
             ):
                 row.shared += 1

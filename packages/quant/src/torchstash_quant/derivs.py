@@ -32,9 +32,8 @@ import torch
 from torchstash.kernels import pack_bits, philox_uniform, unpack_bits
 from torchstash.optrack import op_argument
 from torchstash.packed import Packed
+from torchstash.seeds import SeedStream
 from torchstash.site import Site
-
-from ._seeds import SeedStream
 
 #: Ops whose saved input is read in backward only through their derivative.
 DERIV_OPS = frozenset({"gelu", "silu"})

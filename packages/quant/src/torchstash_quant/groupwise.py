@@ -14,10 +14,10 @@ from torchstash.compressor import BaseCompressor
 from torchstash.kernels import group_dequantize, group_quantize
 from torchstash.layout import memory_order, restore
 from torchstash.packed import Packed
+from torchstash.seeds import SeedStream
 from torchstash.site import Site
 
 from ._options import check_bits, check_group_size
-from ._seeds import SeedStream
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import KernelUnavailable
 from ._checks import check_numel, check_packed
 from ._dispatch import Impl, use_kernel
 from .groupquant import FLOAT_DTYPES
@@ -34,20 +33,6 @@ __all__ = [
 ]
 
 _ALLOWED = "float32, float16, bfloat16"
-
-
-def _use_kernel(impl: Impl, device: torch.device, name: str) -> bool:
-    """As :func:`use_kernel`, and only when the built extension defines ``name`` (one built
-    from older sources may not): ``impl="kernel"`` then raises instead of falling back."""
-    if not use_kernel(impl, device):
-        return False
-    if hasattr(torch.ops.torchstash, name):
-        return True
-    if impl == "kernel":
-        raise KernelUnavailable(
-            f"{name}: the compiled extension has no such op; rebuild the kernels"
-        )
-    return False
 
 
 def _check_float_tensor(t: object, name: str, *, op: str) -> torch.Tensor:
@@ -104,7 +89,7 @@ def topk_mask(
     _check_segments(x.numel(), segments, k, op=op)
     if not isinstance(exact, bool):
         raise TypeError(f"{op}: exact must be a bool, got {type(exact).__name__}")
-    if _use_kernel(impl, x.device, "topk_mask"):
+    if use_kernel(impl, x.device):
         mask: torch.Tensor = torch.ops.torchstash.topk_mask(x, segments, k, exact)
         return mask
     return topk_mask_ref(x, segments, k, exact)
@@ -119,7 +104,7 @@ def mask_compact(
     packed = _check_mask(packed, x.numel(), op=op)
     _check_same_device(x, packed, "x and the mask", op=op)
     _check_int(kept, "kept", op=op, low=0)
-    if _use_kernel(impl, x.device, "mask_compact"):
+    if use_kernel(impl, x.device):
         values: torch.Tensor = torch.ops.torchstash.mask_compact(x, packed, kept)
         return values
     return mask_compact_ref(x, packed, kept)
@@ -136,7 +121,7 @@ def mask_scatter(
     _check_same_device(values, packed, "values and the mask", op=op)
     if values.dim() != 1:
         raise ValueError(f"{op}: values must be 1-D, got shape {tuple(values.shape)}")
-    if _use_kernel(impl, values.device, "mask_scatter"):
+    if use_kernel(impl, values.device):
         out: torch.Tensor = torch.ops.torchstash.mask_scatter(packed, values, numel)
         return out
     return mask_scatter_ref(packed, values, numel)
@@ -151,7 +136,7 @@ def mask_offsets(
     check_numel(numel, op=op)
     packed = _check_mask(packed, numel, op=op)
     _check_int(kept, "kept", op=op, low=0)
-    if _use_kernel(impl, packed.device, "mask_offsets"):
+    if use_kernel(impl, packed.device):
         offsets, counts = torch.ops.torchstash.mask_offsets(packed, numel, kept)
         return offsets, counts
     return mask_offsets_ref(packed, numel, kept)
@@ -187,7 +172,7 @@ def offsets_scatter(
         )
     for t, name in ((offsets, "offsets"), (counts, "counts")):
         _check_same_device(values, t, f"values and {name}", op=op)
-    if _use_kernel(impl, values.device, "offsets_scatter"):
+    if use_kernel(impl, values.device):
         out: torch.Tensor = torch.ops.torchstash.offsets_scatter(offsets, counts, values, numel)
         return out
     return offsets_scatter_ref(offsets, counts, values, numel)

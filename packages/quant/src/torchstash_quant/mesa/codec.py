@@ -28,10 +28,10 @@ from torchstash.errors import OptionError
 from torchstash.kernels import channel_dequantize, channel_minmax, channel_quantize
 from torchstash.layout import memory_order, restore
 from torchstash.packed import Packed
+from torchstash.seeds import SeedStream
 from torchstash.site import Site
 
 from .._options import check_fraction
-from .._seeds import SeedStream
 from ..groupwise import FLOAT_DTYPES
 
 LEVELS = 252
