@@ -353,3 +353,50 @@ def test_attention_map_is_stored_once() -> None:
     ((q @ k.transpose(-2, -1)).softmax(-1) @ v).sum().backward()
     for r, t in zip(ref, (q, k, v), strict=True):
         torch.testing.assert_close(r, t.grad, atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("self_attention", [True, False])
+def test_multihead_attention_is_opened(
+    recorder: Recorder, need_weights: bool, self_attention: bool
+) -> None:
+    """F.multi_head_attention_forward is one torch function; the tracker reports the ops
+    inside it (projections as ``linear``, the attention's matmuls and softmax), and a lossless
+    strategy leaves every gradient bit for bit as stock's."""
+    torch.manual_seed(0)
+    other = None if self_attention else 16  # cross-attention with separate projections
+    mha = nn.MultiheadAttention(32, 4, batch_first=True, kdim=other, vdim=other)
+    x = torch.randn(2, 12, 32)
+    kv = x if self_attention else torch.randn(2, 12, 16)
+
+    def grads(apply: bool) -> list[torch.Tensor]:
+        mha.zero_grad()
+        xs = [t.detach().clone().requires_grad_() for t in (x, kv)]
+        handle = ts.apply(mha, "test.recorder", min_bytes=0) if apply else None
+        y, w = mha(xs[0], xs[1], xs[1], need_weights=need_weights)
+        (y.square().sum() + (w.sum() if w is not None else 0)).backward()
+        if handle is not None:
+            handle.remove()
+        return [p.grad.clone() for p in mha.parameters() if p.grad is not None] + [
+            t.grad for t in xs if t.grad is not None
+        ]
+
+    stock = grads(False)
+    ours = grads(True)
+    assert len(stock) == len(ours)
+    assert all(torch.equal(a, b) for a, b in zip(stock, ours, strict=True))
+    ops = {(s.op, s.role) for s in recorder.sites}
+    assert ("linear", "input") in ops  # the in- and out-projections' inputs
+    assert "multi_head_attention_forward" not in {s.op for s in recorder.sites}
+    if need_weights:
+        assert ("softmax", "output") in ops
+
+
+def test_opened_is_only_for_listed_composites() -> None:
+    from torchstash.optrack import OPENED_COMPOSITES, opened
+
+    assert opened(torch.nn.functional.gelu) is None  # a builtin: nothing to open
+    assert opened(torch.nn.functional.layer_norm) is None  # Python, but not listed
+    for func in OPENED_COMPOSITES:
+        copy = opened(func)
+        assert copy is not None and copy is not func and copy.__code__ is func.__code__

@@ -194,6 +194,33 @@ def test_linear_type_layers_are_reached(layer: nn.Module) -> None:
     assert sum(r.compressed for r in s.tally.rows.values()) == 1
 
 
+def test_multihead_attention_projections_are_reached() -> None:
+    """nn.MultiheadAttention calls F.linear inside one functional: its in- and out-projection
+    inputs are thinned, the input gradient and every bias gradient stay exact."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(64, 4, batch_first=True)
+    x = torch.randn(4, 32, 64)
+
+    def run(strategy: str | None) -> tuple[dict[str, torch.Tensor], torch.Tensor, object]:
+        mha.zero_grad(set_to_none=True)
+        xs = x.clone().requires_grad_()
+        options = {"gamma": 0.9} if strategy else {}
+        with ts.stash(strategy or "none", **options) as s:
+            h = xs * 1.0  # one tensor as query, key and value: the packed in-projection
+            y, _ = mha(h, h, h)
+        y.square().mean().backward()
+        return {n: p.grad.clone() for n, p in mha.named_parameters()}, xs.grad.clone(), s.tally
+
+    ref, ref_x, _ = run(None)
+    got, got_x, tally = run("dropit.mink")
+    assert sum(r.compressed for r in tally.rows.values()) == 2  # type: ignore[attr-defined]
+    torch.testing.assert_close(got_x, ref_x)
+    for n in ("in_proj_bias", "out_proj.bias"):
+        torch.testing.assert_close(got[n], ref[n])
+    for n in ("in_proj_weight", "out_proj.weight"):
+        assert not torch.equal(got[n], ref[n])
+
+
 def test_conv_after_relu_stores_no_extra_copy() -> None:
     """The ReLU's output is the conv's input: held as is by the ReLU, never copied beside."""
     model = nn.Sequential(nn.Conv2d(8, 16, 3), nn.ReLU(), nn.Conv2d(16, 16, 3))

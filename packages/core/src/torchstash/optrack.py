@@ -3,11 +3,17 @@
 The pack hook runs inside the op that saves the tensor; this tracker lets it name that op
 (``linear``, ``matmul``, ``softmax``...) and the tensor's role in it, so a policy can reach
 ``q @ k.transpose(-2, -1)`` or ``attn.softmax(-1)`` without editing the model.
+
+A mode sees only the outermost call: ``F.multi_head_attention_forward`` would hide the
+projections and the softmax inside it. Such composites are *opened*: the tracker runs a copy
+of the function whose own ``has_torch_function`` check is off, with the mode still active,
+so every op inside is seen under its own name (see :func:`opened`).
 """
 
 from __future__ import annotations
 
 import threading
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,6 +70,45 @@ KNOWN_OPS = frozenset(
 )
 
 _names: dict[Any, tuple[str, str]] = {}
+
+#: Python composites whose inner ops the tracker reports (the projections of
+#: ``nn.MultiheadAttention``, its softmax and matmuls); see :func:`opened`.
+OPENED_COMPOSITES: tuple[Callable[..., Any], ...] = (
+    torch.nn.functional.multi_head_attention_forward,
+)
+_opened: dict[Any, Callable[..., Any] | None] = {}
+
+
+def _no_torch_function(*_: Any) -> bool:
+    return False
+
+
+def opened(func: Callable[..., Any]) -> Callable[..., Any] | None:
+    """A copy of ``func`` that skips its own ``has_torch_function`` dispatch, or None.
+
+    Only for :data:`OPENED_COMPOSITES`. The copy shares the function's code and defaults and
+    sees its module's globals with that one name replaced, so the ops it calls still dispatch
+    to the mode. None (the composite stays one op) when ``func`` is not a plain Python
+    function that makes the check, as a future torch might define it.
+    """
+    if func in _opened:
+        return _opened[func]
+    copy = None
+    code = getattr(func, "__code__", None)
+    if (
+        func in OPENED_COMPOSITES
+        and isinstance(func, types.FunctionType)
+        and code is not None
+        and "has_torch_function" in code.co_names
+        and not func.__closure__
+    ):
+        env = dict(func.__globals__)
+        env["has_torch_function"] = _no_torch_function
+        copy = types.FunctionType(code, env, func.__name__, func.__defaults__)
+        copy.__kwdefaults__ = func.__kwdefaults__
+        copy.__qualname__ = func.__qualname__
+    _opened[func] = copy
+    return copy
 
 
 def op_names(func: Callable[..., Any]) -> tuple[str, str]:
@@ -129,8 +174,13 @@ class OpTracker(TorchFunctionMode):
         state.args, state.kwargs = args, kwargs
         state.call_id += 1
         call_id = state.call_id
+        inner = opened(func) if func in OPENED_COMPOSITES else None
         try:
-            result = func(*args, **kwargs)
+            if inner is not None:
+                with self:  # the mode is off inside its own handler: on again for the body
+                    result = inner(*args, **kwargs)
+            else:
+                result = func(*args, **kwargs)
         finally:
             state.op, state.raw, state.args, state.kwargs = prev
         if state.waiting:
