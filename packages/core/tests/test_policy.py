@@ -183,3 +183,21 @@ def test_mesa_format_with_another_strategy(toy_strategies: list[str]) -> None:
 def test_mesa_errors_name_the_line(text: str, message: str) -> None:
     with pytest.raises(PolicyError, match=message):
         Policy.from_mesa(text, "m.txt")
+
+
+def test_parse_spec_reads_options_as_literals() -> None:
+    from torchstash.policy import parse_spec
+
+    assert parse_spec("quant.auto:budget=3;interval=5") == (
+        "quant.auto",
+        {"budget": 3, "interval": 5},
+    )
+    assert parse_spec("quant.int4") == ("quant.int4", {})
+    assert parse_spec("dropit.mink:gamma=0.8;scope=row") == (
+        "dropit.mink",
+        {"gamma": 0.8, "scope": "row"},
+    )
+    with pytest.raises(PolicyError, match="key=value"):
+        parse_spec("quant.auto:budget")
+    with pytest.raises(PolicyError, match="name is missing"):
+        parse_spec(":gamma=0.5")

@@ -29,3 +29,10 @@ class TestRandomDrop(CompressorContract):
 
     def make_compressor(self) -> Compressor:
         return RandomDrop(p=0.5, min_numel=1, seed=0)
+
+
+class TestMinKMeanFill(TestMinK):
+    max_error = 1.0  # a dropped value's feature mean is within the range, not the median
+
+    def make_compressor(self) -> Compressor:
+        return MinK(gamma=0.5, min_numel=1, fill="mean")

@@ -43,6 +43,7 @@ def grads(model: nn.Module, x: torch.Tensor, strategy: str | None = None, **opti
         ({"scope": "batch"}, r"scope='batch' must be one of 'tensor', 'sample', 'row'"),
         ({"storage": "coo"}, r"storage='coo'"),
         ({"min_numel": 0}, r"min_numel=0"),
+        ({"fill": "median"}, r"fill='median' must be one of 'mean', 'zero'"),
     ],
 )
 def test_bad_options_name_the_option(options: dict[str, object], message: str) -> None:
@@ -65,28 +66,45 @@ def test_gamma_zero_is_exact() -> None:
     assert tally is not None and tally.stored_bytes == tally.raw_bytes
 
 
+@pytest.mark.parametrize("fill", ["mean", "zero"])
 @pytest.mark.parametrize("scope", ["tensor", "sample", "row"])
-def test_weight_gradient_is_from_the_kept_values_and_input_gradient_exact(scope: str) -> None:
-    model, x = mlp(), torch.randn(8, 16, 64)
+def test_weight_gradient_is_from_the_kept_values_and_input_gradient_exact(
+    scope: str, fill: str
+) -> None:
+    model, x = mlp(), torch.randn(8, 16, 64) + torch.linspace(-1, 1, 64)  # features off zero
     ref, ref_x, _ = grads(model, x)
-    got, got_x, _tally = grads(model, x, "dropit.mink", gamma=0.9, scope=scope)
+    got, got_x, _tally = grads(model, x, "dropit.mink", gamma=0.9, scope=scope, fill=fill)
     assert torch.allclose(ref_x, got_x, rtol=1e-5, atol=1e-7)  # the input gradient never reads x
     for n in ("0.bias", "2.bias"):
         assert torch.allclose(ref[n], got[n], rtol=1e-5, atol=1e-7)
-    # the first layer's weight gradient, from the kept top 10% of x
+    # the first layer's weight gradient, from the kept top 10% of x (and the dropped means)
     flat = x.reshape(-1, 64)
     segments = {"tensor": flat.reshape(1, -1), "sample": x.reshape(8, -1), "row": flat}[scope]
     k = math.ceil(0.1 * segments.shape[1])
     keep = torch.zeros_like(segments, dtype=torch.bool)
     keep.scatter_(1, segments.abs().topk(k, dim=1).indices, True)
-    sparse = (segments * keep).reshape(-1, 64)
+    keep = keep.reshape(-1, 64)
+    means = (flat * ~keep).sum(0) / (~keep).sum(0)  # each feature's dropped entries
+    seen = torch.where(keep, flat, means if fill == "mean" else 0.0)
     model.zero_grad(set_to_none=True)
     hidden = model[0](x)
     g = torch.autograd.grad(model[2](model[1](hidden)).square().mean(), hidden)[0]
-    expected = g.reshape(-1, 256).t() @ sparse
+    expected = g.reshape(-1, 256).t() @ seen
     assert torch.allclose(got["0.weight"], expected, rtol=1e-4, atol=1e-6)
     cos = F.cosine_similarity(ref["0.weight"].flatten(), got["0.weight"].flatten(), dim=0)
     assert 0.5 < float(cos) < 1.0
+
+
+def test_mean_fill_beats_zeros_on_offset_features() -> None:
+    """Features with a mean off zero (a GELU's output): zeros bias the weight gradient."""
+    model = mlp()
+    x = torch.randn(8, 16, 64) * 0.3 + torch.linspace(0.5, 2.0, 64)
+    ref, _, _ = grads(model, x)
+    errors = {}
+    for fill in ("mean", "zero"):
+        got, _, _tally = grads(model, x, "dropit.mink", gamma=0.9, fill=fill)
+        errors[fill] = float((got["0.weight"] - ref["0.weight"]).norm() / ref["0.weight"].norm())
+    assert errors["mean"] < 0.5 * errors["zero"], errors
 
 
 def test_storage_costs_and_choice() -> None:
@@ -113,17 +131,24 @@ def test_fp16_saved_bytes_at_gamma_09(dtype: torch.dtype) -> None:
 
 
 def test_offsets_at_high_gamma_round_trip() -> None:
-    c = MinK(gamma=0.99, min_numel=1)
-    x = torch.randn(300, 1000)
-    assert c.plan(x)[2] == OFFSETS
     from torchstash.testing.contract import SITE
 
-    packed = c.compress(x, SITE)
-    y = c.decompress(packed)
+    x = torch.randn(300, 1000) + torch.linspace(-1, 1, 1000)
+    c = MinK(gamma=0.99, min_numel=1, fill="zero")
+    assert c.plan(x)[2] == OFFSETS
+    y = c.decompress(c.compress(x, SITE))
     kept = y != 0
     assert int(kept.sum()) == math.ceil(0.01 * x.numel())
     assert torch.equal(y[kept], x[kept])
     assert float(x[~kept].abs().max()) <= float(x[kept].abs().min())
+    # the mean fill: the same kept entries, each feature's dropped mean elsewhere
+    mean = MinK(gamma=0.99, min_numel=1, fill="mean")
+    packed = mean.compress(x, SITE)
+    assert isinstance(packed, ts.Packed) and packed.meta["form"] == OFFSETS
+    z = mean.decompress(packed)
+    means = (x * ~kept).sum(0) / (~kept).sum(0)
+    assert torch.equal(z[kept], x[kept])
+    torch.testing.assert_close(z, torch.where(kept, x, means))
 
 
 def test_nan_and_inf_are_kept_and_reach_the_weight_gradient() -> None:

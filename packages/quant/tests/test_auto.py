@@ -128,15 +128,3 @@ def test_auto_follows_a_dynamic_graph() -> None:
         assert torch.isfinite(loss)
         assert all(p.grad is not None and p.grad.isfinite().all() for p in model.c.parameters())
     handle.remove()
-
-
-def test_evaluate_takes_strategy_options() -> None:
-    from torchstash_quant.evaluate import parse_spec
-
-    assert parse_spec("quant.auto:budget=3;interval=5") == (
-        "quant.auto",
-        {"budget": 3, "interval": 5},
-    )
-    assert parse_spec("quant.int4") == ("quant.int4", {})
-    with pytest.raises(SystemExit, match="key=value"):
-        parse_spec("quant.auto:budget")

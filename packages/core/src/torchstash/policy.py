@@ -16,6 +16,7 @@ Selectors:
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -142,6 +143,29 @@ class Policy:
         if p.suffix == ".toml":
             return cls.from_toml(text, p.name)
         return cls.from_mesa(text, p.name)
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"quant.auto:budget=3;floor=2"`` -> ``("quant.auto", {"budget": 3, "floor": 2})``.
+
+    The command-line form of a strategy with options; values are Python literals where they
+    parse as one, strings otherwise.
+    """
+    name, _, rest = spec.partition(":")
+    options: dict[str, Any] = {}
+    for item in filter(None, rest.split(";")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise PolicyError(
+                f"strategy {spec!r}: write options as name:key=value;key=value, got {item!r}"
+            )
+        try:
+            options[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            options[key.strip()] = value.strip()
+    if not name.strip():
+        raise PolicyError(f"strategy {spec!r}: the strategy name is missing before ':'")
+    return name.strip(), options
 
 
 def as_policy(policy: Policy | str | Path | Sequence[Mapping[str, Any] | Rule]) -> Policy:

@@ -31,8 +31,9 @@ def mink(
     storage: str = "auto",
     exact: bool = True,
     min_numel: int = 4096,
+    fill: str = "zero",
 ) -> MinK:
-    return MinK(gamma, scope, storage, exact, min_numel)
+    return MinK(gamma, scope, storage, exact, min_numel, fill=fill)
 
 
 def random(

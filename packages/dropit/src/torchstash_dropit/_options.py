@@ -6,6 +6,7 @@ from torchstash.errors import OptionError
 
 SCOPES = ("tensor", "sample", "row")
 STORAGES = ("auto", "bitmap", "offsets")
+FILLS = ("mean", "zero")
 
 
 def check_gamma(value: object, strategy: str, name: str = "gamma") -> float:

@@ -7,6 +7,13 @@ radix select with no sort, and stores them as a bitmap or 16-bit offsets plus th
 whichever is smaller (:mod:`.storage`). The kept values are a payload another compressor can
 take (``dropit.mink>quant.int8``). NaN and Inf rank above every finite value, so an overflow
 reaches the weight gradient and GradScaler still sees it.
+
+Dropped entries come back as zeros (``fill="zero"``, DropIT's), or as their feature's mean
+(``fill="mean"``): one float per feature (a linear input's last dimension, a conv input's
+channel) removes the rank-one bias ``colsum(G) * mean`` that the zeros put in the weight
+gradient. It lowers the one-step weight-gradient error on the demo GPT (by half at
+initialization, ``python -m torchstash_dropit.evaluate error``), yet trained that model to a
+worse held-out loss (+5.6% against +4.1% for zeros at gamma 0.9), so it is not the default.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import math
 import torch
 
 from torchstash.compressor import BaseCompressor
+from torchstash.kernels.bitpack import unpack_mask
 from torchstash.kernels.sparse import (
     mask_compact,
     mask_offsets,
@@ -28,12 +36,14 @@ from torchstash.packed import Packed
 from torchstash.site import Site
 
 from . import storage
-from ._options import SCOPES, STORAGES, check_choice, check_gamma, check_min_numel
+from ._options import FILLS, SCOPES, STORAGES, check_choice, check_gamma, check_min_numel
 from .sites import batch_of_op, why_not_linear_input
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Tensors with fewer elements are stored as they are: a handful of values saves nothing.
 MIN_NUMEL = 4096
+#: A feature's dropped entries are averaged only when it has this many entries in all.
+MIN_PER_FEATURE = 16
 
 
 class MinK(BaseCompressor):
@@ -50,6 +60,7 @@ class MinK(BaseCompressor):
         exact: bool = True,
         min_numel: int = MIN_NUMEL,
         name: str = "dropit.mink",
+        fill: str = "zero",
     ) -> None:
         self.name = name
         self.gamma = check_gamma(gamma, name)
@@ -61,6 +72,7 @@ class MinK(BaseCompressor):
             raise OptionError(f"{name}: option exact={exact!r} must be True or False")
         self.exact = exact
         self.min_numel = check_min_numel(min_numel, name)
+        self.fill = check_choice(fill, "fill", FILLS, name)
 
     # -- what it takes -------------------------------------------------------------------------
 
@@ -76,15 +88,24 @@ class MinK(BaseCompressor):
         """``ceil((1 - gamma) * length)``: at least one value of a non-empty segment stays."""
         return min(length, math.ceil((1.0 - self.gamma) * length - 1e-9))
 
-    def plan(self, x: torch.Tensor) -> tuple[int, int, str]:
+    def plan(self, x: torch.Tensor, site: Site | None = None) -> tuple[int, int, str]:
         """(segments, kept per segment, storage form) for ``x``; the form is dense where no
-        sparse form is smaller."""
+        sparse form (with its fill values) is smaller."""
         flat, _ = memory_order(x)
         segments = self.segments(flat, x)
         k = self.kept_per_segment(x.numel() // segments)
         forms = (storage.BITMAP, storage.OFFSETS) if self.storage == "auto" else (self.storage,)
-        form = storage.cheapest(x.numel(), segments * k, x.element_size(), forms)
+        extra = 4 * self.fill_features(x, site or Site())
+        form = storage.cheapest(x.numel(), segments * k, x.element_size(), forms, extra)
         return segments, k, form
+
+    def fill_features(self, x: torch.Tensor, site: Site) -> int:
+        """How many fill values ``x`` gets: one per feature with ``fill="mean"`` when each
+        feature has at least :data:`MIN_PER_FEATURE` entries to average, else none (zeros)."""
+        if self.fill != "mean" or x.dim() < 2:
+            return 0
+        features = int(x.shape[feature_dim(x, site)])
+        return features if x.numel() >= MIN_PER_FEATURE * features else 0
 
     def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
         if x.dtype not in FLOAT_DTYPES:
@@ -101,7 +122,7 @@ class MinK(BaseCompressor):
                 f"{x.numel()} elements is below min_numel={self.min_numel}: "
                 "too small to save anything"
             ]
-        if self.plan(x)[2] == storage.DENSE:
+        if self.plan(x, site)[2] == storage.DENSE:
             return [
                 f"at gamma={self.gamma} no sparse form of a {x.dtype} tensor is smaller than dense"
             ]
@@ -119,7 +140,7 @@ class MinK(BaseCompressor):
         return mask_compact(flat, mask, kept)
 
     def compress(self, x: torch.Tensor, site: Site) -> Packed | torch.Tensor:
-        segments, k, form = self.plan(x)
+        segments, k, form = self.plan(x, site)
         if form == storage.DENSE:
             return x
         flat, inverse = memory_order(x)
@@ -133,6 +154,11 @@ class MinK(BaseCompressor):
             offsets, counts = mask_offsets(mask, x.numel(), kept)
             packed.tensors.update(offsets=offsets, counts=counts)
         packed.meta.update(form=form, order=inverse, segments=segments, k=k)
+        if self.fill_features(x, site):
+            feature = feature_dim(x, site)
+            present = restore(unpack_mask(mask, x.numel()), x.shape, inverse)
+            packed.tensors["fill"] = dropped_means(x, present, feature)
+            packed.meta["feature"] = feature
         return packed
 
     def decompress(self, packed: Packed) -> torch.Tensor:
@@ -149,4 +175,30 @@ class MinK(BaseCompressor):
             flat = offsets_scatter(offsets, counts, values.to(packed.dtype), n)
         order = packed.meta["order"]
         assert order is None or isinstance(order, tuple)
-        return restore(flat, packed.shape, order)
+        out = restore(flat, packed.shape, order)
+        fill = packed.tensors.get("fill")
+        if isinstance(fill, torch.Tensor):
+            if packed.meta["form"] == storage.BITMAP:
+                present = unpack_mask(mask, n)
+            else:
+                ones = torch.ones(values.numel(), dtype=packed.dtype, device=values.device)
+                present = offsets_scatter(offsets, counts, ones, n) != 0
+            shape = [1] * out.dim()
+            shape[int(packed.meta["feature"])] = fill.numel()
+            fill_b = fill.to(packed.dtype).view(shape)
+            out = torch.where(restore(present, packed.shape, order), out, fill_b)
+        return out
+
+
+def feature_dim(x: torch.Tensor, site: Site) -> int:
+    """The axis a weight gradient contracts per output: a conv input's channel, else the last."""
+    return 1 if site.op == "conv" and x.dim() > 2 else x.dim() - 1
+
+
+def dropped_means(x: torch.Tensor, present: torch.Tensor, feature: int) -> torch.Tensor:
+    """Float32 mean of the dropped entries of each feature (0 where a feature kept all)."""
+    dims = [d for d in range(x.dim()) if d != feature]
+    dropped = ~present
+    total = torch.where(dropped, x, 0).sum(dims, dtype=torch.float32)
+    count = dropped.sum(dims)
+    return total / count.clamp(min=1)

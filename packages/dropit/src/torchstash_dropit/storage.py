@@ -32,8 +32,14 @@ def cost(form: str, numel: int, kept: int, itemsize: int) -> int:
 
 
 def cheapest(
-    numel: int, kept: int, itemsize: int, forms: tuple[str, ...] = (BITMAP, OFFSETS)
+    numel: int,
+    kept: int,
+    itemsize: int,
+    forms: tuple[str, ...] = (BITMAP, OFFSETS),
+    extra: int = 0,
 ) -> str:
-    """The cheapest of ``forms``, or :data:`DENSE` when none is smaller than the tensor."""
+    """The cheapest of ``forms``, or :data:`DENSE` when none, plus ``extra`` bytes stored
+    beside it (fill values), is smaller than the tensor."""
     best = min(forms, key=lambda f: cost(f, numel, kept, itemsize))
-    return best if cost(best, numel, kept, itemsize) < cost(DENSE, numel, kept, itemsize) else DENSE
+    sparse = cost(best, numel, kept, itemsize) + extra
+    return best if sparse < cost(DENSE, numel, kept, itemsize) else DENSE

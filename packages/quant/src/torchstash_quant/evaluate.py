@@ -9,7 +9,6 @@ come from this command.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 import torchstash as ts
+from torchstash.errors import PolicyError
+from torchstash.policy import parse_spec
 from torchstash.zoo import ZooEntry, zoo
 
 STRATEGIES = (
@@ -34,21 +35,6 @@ STRATEGIES = (
 
 def _grads(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-
-
-def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"quant.auto:budget=3"`` -> ``("quant.auto", {"budget": 3})`` (values as Python literals)."""
-    name, _, rest = spec.partition(":")
-    options: dict[str, Any] = {}
-    for item in filter(None, rest.split(";")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise SystemExit(f"strategy {spec!r}: write options as name:key=value;key=value")
-        try:
-            options[key.strip()] = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            options[key.strip()] = value.strip()
-    return name.strip(), options
 
 
 def evaluate_one(entry: ZooEntry, strategy: str, batch: int | None = None) -> dict[str, Any]:
@@ -109,7 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
-    rows = evaluate(args.scale, [s for s in args.strategies.split(",") if s])
+    try:
+        rows = evaluate(args.scale, [s for s in args.strategies.split(",") if s])
+    except PolicyError as e:
+        parser.error(str(e))
     Console().print(table(rows, args.scale))
     if args.json:
         with open(args.json, "w") as f:

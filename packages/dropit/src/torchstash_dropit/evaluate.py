@@ -1,0 +1,235 @@
+"""``python -m torchstash_dropit.evaluate``: the figures in the package README, measured.
+
+``error``: the weight-gradient relative error ``|G - G_stock| / |G_stock|`` of every linear
+layer of the demo's GPT (the same model, corpus and optimizer as ``torchstash demo``), trained
+stock for ``--steps`` steps and then given one more batch, against gamma and scope; with
+``dropit.random`` at the same drop rate for comparison, and both fills (each feature's
+dropped mean, or DropIT's zeros). Input gradients are exact under
+DropIT, so each layer's error comes from its own input alone.
+
+``zoo``: whole-model saved bytes on the bench zoo, against stock fp32 and against a stock
+bf16-autocast step (exact accounting through ``torchstash.measure``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+import torchstash as ts
+from torchstash.demo import DemoConfig, build_model, lm_loss, load_corpus, train_starts, windows
+from torchstash.errors import PolicyError
+from torchstash.policy import parse_spec
+from torchstash.zoo import ZooEntry, zoo
+
+from ._options import FILLS
+
+GAMMAS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
+SCOPES = ("tensor", "sample", "row")
+#: The demo GPT's linear layers, by role (qualified-name globs).
+GROUPS = {
+    "attn.qkv": "blocks.*.attn.qkv",
+    "attn.proj": "blocks.*.attn.proj",
+    "mlp.fc1": "blocks.*.mlp.0",
+    "mlp.fc2": "blocks.*.mlp.2",
+    "head": "head",
+}
+ZOO_STRATEGIES = ("dropit.mink", "dropit.mink:scope=row", "dropit.mink>quant.int8")
+
+
+# -- weight-gradient error on the demo model -------------------------------------------------
+
+
+def trained_demo_model(steps: int, seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The demo's GPT after ``steps`` stock steps, and the batch that would come next."""
+    cfg = DemoConfig()
+    corpus = load_corpus(cfg.corpus_bytes, cfg.val_fraction)
+    starts = train_starts(corpus, cfg, steps + 1, seed)
+    model = build_model(cfg, seed, torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    for batch in starts[:steps]:
+        x, y = windows(corpus.train, batch, cfg.ctx)
+        opt.zero_grad(set_to_none=True)
+        lm_loss(model, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    x, y = windows(corpus.train, starts[steps], cfg.ctx)
+    return model, x, y
+
+
+def weight_grads(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, spec: str | None
+) -> dict[str, torch.Tensor]:
+    """The linear layers' weight gradients of one step, stock or under ``spec``."""
+    model.zero_grad(set_to_none=True)
+    handle = None
+    if spec is not None:
+        name, options = parse_spec(spec)
+        handle = ts.apply(model, name, **options)
+    try:
+        lm_loss(model, x, y).backward()
+    finally:
+        if handle is not None:
+            handle.remove()
+    return {
+        n: m.weight.grad.detach().clone()
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and m.weight.grad is not None
+    }
+
+
+def relative_errors(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> dict[str, float]:
+    """``|dG| / |G|`` per layer group (norms summed over the group's layers) and ``all``."""
+    out: dict[str, float] = {}
+    for group, pattern in {**GROUPS, "all": "*"}.items():
+        names = [n for n in ref if fnmatch.fnmatchcase(n, pattern)]
+        num = sum(float((got[n] - ref[n]).double().square().sum()) for n in names)
+        den = sum(float(ref[n].double().square().sum()) for n in names)
+        out[group] = math.sqrt(num / den) if den else float("nan")
+    return out
+
+
+def error_vs_gamma(
+    steps: int = 300,
+    gammas: Sequence[float] = GAMMAS,
+    scopes: Sequence[str] = SCOPES,
+    random: bool = True,
+) -> list[dict[str, Any]]:
+    """One row per (strategy, scope, gamma): relative weight-gradient error per layer group."""
+    model, x, y = trained_demo_model(steps)
+    ref = weight_grads(model, x, y, None)
+    specs = [
+        (f"dropit.mink:gamma={g};scope={s};fill={f}", "mink", s, f, g)
+        for s in scopes
+        for f in FILLS
+        for g in gammas
+    ]
+    if random:
+        specs += [(f"dropit.random:p={g}", "random", "tensor", "zero", g) for g in gammas]
+    rows = []
+    for spec, strategy, scope, fill, gamma in specs:
+        errors = relative_errors(ref, weight_grads(model, x, y, spec))
+        row = {"strategy": strategy, "scope": scope, "fill": fill, "gamma": gamma, **errors}
+        rows.append(row)
+    return rows
+
+
+def error_table(rows: list[dict[str, Any]], steps: int) -> Table:
+    t = Table(
+        title=f"weight-gradient relative error, demo GPT after {steps} stock steps (CPU, fp32)"
+    )
+    for col in ("strategy", "scope", "fill", "gamma", *GROUPS, "all"):
+        t.add_column(col, justify="left" if col in ("strategy", "scope", "fill") else "right")
+    for r in rows:
+        t.add_row(
+            r["strategy"],
+            r["scope"],
+            r["fill"],
+            f"{r['gamma']:g}",
+            *(f"{r[g]:.3f}" for g in (*GROUPS, "all")),
+        )
+    return t
+
+
+# -- whole-model saved bytes on the bench zoo ------------------------------------------------
+
+
+def zoo_saved_bytes(
+    scale: str = "small", strategies: Sequence[str] = ZOO_STRATEGIES
+) -> list[dict[str, Any]]:
+    """Saved bytes of one training step of every zoo model, stock against each strategy."""
+    rows = []
+    for entry in zoo(scale):
+        for spec in strategies:
+            rows.append(_zoo_row(entry, spec))
+    return rows
+
+
+def _zoo_row(entry: ZooEntry, spec: str) -> dict[str, Any]:
+    x, y = entry.batch(entry.batch_size, torch.device("cpu"))
+    torch.manual_seed(0)
+    model = entry.build()
+
+    def step() -> None:
+        model.zero_grad()
+        entry.loss(model, x, y).backward()
+
+    name, options = parse_spec(spec)
+    fp32 = ts.measure(model, step, name, warmup=1, repeat=1, **options)
+    with torch.autocast("cpu", torch.bfloat16):
+        bf16 = ts.measure(model, step, name, warmup=1, repeat=1, **options)
+    return {
+        "model": entry.name,
+        "strategy": spec,
+        "raw_bytes": fp32.raw_bytes,
+        "stored_bytes": fp32.stored_bytes,
+        "ratio_fp32": fp32.stored_bytes / fp32.raw_bytes,
+        "bf16_raw_bytes": bf16.raw_bytes,
+        "bf16_stored_bytes": bf16.stored_bytes,
+        "ratio_bf16": bf16.stored_bytes / bf16.raw_bytes,
+    }
+
+
+def zoo_table(rows: list[dict[str, Any]], scale: str) -> Table:
+    t = Table(title=f"whole-model saved bytes, bench zoo ({scale}), one step on CPU")
+    for col in ("model", "strategy", "stock MB", "saved MB", "x stock", "bf16: x stock"):
+        t.add_column(col, justify="left" if col in ("model", "strategy") else "right")
+    for r in rows:
+        t.add_row(
+            r["model"],
+            r["strategy"],
+            f"{r['raw_bytes'] / 1e6:.2f}",
+            f"{r['stored_bytes'] / 1e6:.2f}",
+            f"{r['ratio_fp32']:.3f}",
+            f"{r['ratio_bf16']:.3f}",
+        )
+    return t
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torchstash_dropit.evaluate")
+    sub = parser.add_subparsers(dest="what", required=True)
+    err = sub.add_parser("error", help="weight-gradient error against gamma on the demo GPT")
+    err.add_argument("--steps", type=int, default=300, help="stock steps first (default 300)")
+    err.add_argument("--gammas", default=",".join(map(str, GAMMAS)))
+    err.add_argument("--scopes", default=",".join(SCOPES))
+    err.add_argument("--no-random", action="store_true", help="leave out dropit.random")
+    err.add_argument("--json", default=None, help="also write the rows to this file")
+    z = sub.add_parser("zoo", help="whole-model saved bytes on the bench zoo")
+    z.add_argument("--scale", default="small", choices=["tiny", "small", "base"])
+    z.add_argument(
+        "--strategies",
+        default=",".join(ZOO_STRATEGIES),
+        help="comma-separated; options as name:key=value;key=value",
+    )
+    z.add_argument("--json", default=None, help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    console = Console()
+    try:
+        if args.what == "error":
+            gammas = [float(g) for g in args.gammas.split(",") if g]
+            scopes = [s for s in args.scopes.split(",") if s]
+            rows = error_vs_gamma(args.steps, gammas, scopes, random=not args.no_random)
+            console.print(error_table(rows, args.steps))
+        else:
+            rows = zoo_saved_bytes(args.scale, [s for s in args.strategies.split(",") if s])
+            console.print(zoo_table(rows, args.scale))
+    except (PolicyError, ts.errors.OptionError) as e:
+        parser.error(str(e))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
