@@ -175,6 +175,31 @@ def test_demo_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "stock" in text and "none" in text and "nothing is downloaded" in text
 
 
+def test_demo_runs_policies_and_strategy_options(toy_names: list[str], tmp_path: Path) -> None:
+    """A run may be a policy under a label, or a strategy with options; a policy that leaves
+    everything to ``none`` trains exactly like stock."""
+    policy = tmp_path / "all-exact.toml"
+    policy.write_text('[[rule]]\nstrategy = "none"\n')
+    half_heads = [{"strategy": HALF}, {"module": "head", "strategy": "none"}]
+    result = demo.run_demo(
+        steps=3,
+        out_dir=tmp_path / "out",
+        strategies=[HALF],
+        quick=True,
+        console=_quiet(),
+        device="cpu",
+        policies={"half-but-head": half_heads, "all-exact": policy},
+    )
+    assert [r.strategy for r in result.runs] == ["stock", HALF, "half-but-head", "all-exact"]
+    exact, partial, half = result.run("all-exact"), result.run("half-but-head"), result.run(HALF)
+    assert exact.error is None and exact.losses == result.stock.losses
+    assert partial.error is None and half.error is None
+    assert half.stored_bytes is not None and partial.stored_bytes is not None
+    assert half.stored_bytes < partial.stored_bytes < result.stock.raw_bytes  # type: ignore[operator]
+    with pytest.raises(SystemExit):
+        demo.main(["--quick", "--steps", "1", "--out", str(tmp_path), "--policy", "missing.toml"])
+
+
 # -- bench ----------------------------------------------------------------------------------
 
 

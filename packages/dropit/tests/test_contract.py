@@ -14,12 +14,17 @@ class TestMinK(CompressorContract):
     declines_below = 64  # a handful of values saves nothing in either sparse form
 
     def make_compressor(self) -> Compressor:
-        return MinK(gamma=0.5, min_numel=1)
+        return MinK(gamma=0.5, scope="tensor", min_numel=1)
 
 
 class TestMinKRows(TestMinK):
     def make_compressor(self) -> Compressor:
         return MinK(gamma=0.5, scope="row", min_numel=1)
+
+
+class TestMinKFeatures(TestMinK):
+    def make_compressor(self) -> Compressor:
+        return MinK(gamma=0.5, scope="feature", min_numel=1)
 
 
 class TestRandomDrop(CompressorContract):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -37,3 +39,12 @@ def test_cli_rejects_a_bad_spec(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         evaluate.main(["zoo", "--scale", "tiny", "--strategies", "dropit.mink:gamma"])
     assert "key=value" in capsys.readouterr().err
+
+
+def test_demo_runs_the_projection_policies(tmp_path: Path) -> None:
+    result = evaluate.demo(steps=2, out=str(tmp_path))
+    labels = [r.strategy for r in result.runs]
+    assert labels == ["stock", *evaluate.DEMO_STRATEGIES, *evaluate.DEMO_POLICIES]
+    assert all(r.error is None for r in result.runs)
+    every, projections = result.run("dropit.mink"), result.run(evaluate.PROJECTIONS)
+    assert every.stored_bytes < projections.stored_bytes < result.stock.raw_bytes

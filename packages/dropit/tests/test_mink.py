@@ -40,7 +40,7 @@ def grads(model: nn.Module, x: torch.Tensor, strategy: str | None = None, **opti
         ({"gamma": 1.0}, r"gamma=1.0 must be a number in \[0, 1\)"),
         ({"gamma": -0.1}, r"gamma=-0.1"),
         ({"gamma": "most"}, r"gamma='most'"),
-        ({"scope": "batch"}, r"scope='batch' must be one of 'tensor', 'sample', 'row'"),
+        ({"scope": "batch"}, r"scope='batch' must be one of 'tensor', 'sample', 'row', 'feature'"),
         ({"storage": "coo"}, r"storage='coo'"),
         ({"min_numel": 0}, r"min_numel=0"),
         ({"fill": "median"}, r"fill='median' must be one of 'mean', 'zero'"),
@@ -67,7 +67,7 @@ def test_gamma_zero_is_exact() -> None:
 
 
 @pytest.mark.parametrize("fill", ["mean", "zero"])
-@pytest.mark.parametrize("scope", ["tensor", "sample", "row"])
+@pytest.mark.parametrize("scope", ["tensor", "sample", "row", "feature"])
 def test_weight_gradient_is_from_the_kept_values_and_input_gradient_exact(
     scope: str, fill: str
 ) -> None:
@@ -79,11 +79,16 @@ def test_weight_gradient_is_from_the_kept_values_and_input_gradient_exact(
         assert torch.allclose(ref[n], got[n], rtol=1e-5, atol=1e-7)
     # the first layer's weight gradient, from the kept top 10% of x (and the dropped means)
     flat = x.reshape(-1, 64)
-    segments = {"tensor": flat.reshape(1, -1), "sample": x.reshape(8, -1), "row": flat}[scope]
+    segments = {
+        "tensor": flat.reshape(1, -1),
+        "sample": x.reshape(8, -1),
+        "row": flat,
+        "feature": flat.t(),
+    }[scope]
     k = math.ceil(0.1 * segments.shape[1])
     keep = torch.zeros_like(segments, dtype=torch.bool)
     keep.scatter_(1, segments.abs().topk(k, dim=1).indices, True)
-    keep = keep.reshape(-1, 64)
+    keep = keep.t() if scope == "feature" else keep.reshape(-1, 64)
     means = (flat * ~keep).sum(0) / (~keep).sum(0)  # each feature's dropped entries
     seen = torch.where(keep, flat, means if fill == "mean" else 0.0)
     model.zero_grad(set_to_none=True)
@@ -134,7 +139,7 @@ def test_offsets_at_high_gamma_round_trip() -> None:
     from torchstash.testing.contract import SITE
 
     x = torch.randn(300, 1000) + torch.linspace(-1, 1, 1000)
-    c = MinK(gamma=0.99, min_numel=1, fill="zero")
+    c = MinK(gamma=0.99, scope="tensor", min_numel=1, fill="zero")
     assert c.plan(x)[2] == OFFSETS
     y = c.decompress(c.compress(x, SITE))
     kept = y != 0
@@ -142,7 +147,7 @@ def test_offsets_at_high_gamma_round_trip() -> None:
     assert torch.equal(y[kept], x[kept])
     assert float(x[~kept].abs().max()) <= float(x[kept].abs().min())
     # the mean fill: the same kept entries, each feature's dropped mean elsewhere
-    mean = MinK(gamma=0.99, min_numel=1, fill="mean")
+    mean = MinK(gamma=0.99, scope="tensor", min_numel=1, fill="mean")
     packed = mean.compress(x, SITE)
     assert isinstance(packed, ts.Packed) and packed.meta["form"] == OFFSETS
     z = mean.decompress(packed)

@@ -16,7 +16,7 @@ import statistics
 import sys
 import sysconfig
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from rich.markup import escape
 from rich.table import Table
 from torch import Tensor, nn
 
-from .api import Handle, apply
+from .api import Handle, PolicyLike, apply
 from .bench import (
     MB,
     STOCK,
@@ -48,6 +48,8 @@ from .bench import (
     top_reason,
 )
 from .engine import Tally
+from .errors import PolicyError
+from .policy import as_policy, parse_spec
 from .zoo import GPT
 
 VOCAB = 128  # ASCII; source files are almost entirely ASCII
@@ -307,6 +309,16 @@ class Setup:
     steps: int
     seed: int
     device: torch.device
+    #: runs defined by a policy rather than one strategy: label -> policy
+    policies: Mapping[str, PolicyLike] = field(default_factory=dict)
+
+    def apply(self, model: nn.Module, run: str) -> Handle:
+        """Apply the run named ``run``: a policy's label, or a strategy with options
+        (``dropit.mink:gamma=0.8``)."""
+        if run in self.policies:
+            return apply(model, policy=self.policies[run])
+        name, options = parse_spec(run)
+        return apply(model, name, **options)
 
 
 def train(setup: Setup, strategy: str | None, advance: Callable[[], None]) -> RunResult:
@@ -314,7 +326,7 @@ def train(setup: Setup, strategy: str | None, advance: Callable[[], None]) -> Ru
     cfg, dev = setup.cfg, setup.device
     run = RunResult(
         strategy or STOCK,
-        True if strategy is None else lossless_of(strategy),
+        True if strategy is None else lossless_of(strategy.partition(":")[0]),
         log_every=cfg.log_every,
         tail=cfg.tail,
     )
@@ -323,7 +335,7 @@ def train(setup: Setup, strategy: str | None, advance: Callable[[], None]) -> Ru
     done = 0
     try:
         model = build_model(cfg, setup.seed, dev)
-        handle = apply(model, strategy) if strategy is not None else None
+        handle = setup.apply(model, strategy) if strategy is not None else None
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
         times = []
         for i, starts in enumerate(setup.starts):
@@ -435,11 +447,13 @@ def run_demo(
     device: str | torch.device | None = None,
     threads: int | None = None,
     config: DemoConfig | None = None,
+    policies: Mapping[str, PolicyLike] | None = None,
 ) -> DemoResult:
     """Train stock, then each strategy; print the table, write ``demo.json`` and ``demo.png``.
 
     ``strategies`` defaults to every installed one except ``none`` (which equals stock; name
-    it explicitly to check that). ``quick`` uses a tiny model and corpus and at most
+    it explicitly to check that); a strategy may carry options (``dropit.mink:gamma=0.8``).
+    ``policies`` adds runs each defined by a policy, under its label. ``quick`` uses a tiny model and corpus and at most
     :data:`QUICK_STEPS` steps. On CPU, ``threads`` defaults to :func:`bench.cpu_threads`.
     """
     if steps < 1:
@@ -451,6 +465,7 @@ def run_demo(
     cfg = replace(cfg, tail=min(cfg.tail, steps))
     dev = torch.device(device) if device is not None else default_device()
     names = strategy_names(strategies, keep_none=strategies is not None)
+    names += [label for label in policies or {} if label not in names]
     threads = cpu_threads(threads) if dev.type == "cpu" else torch.get_num_threads()
     with num_threads(threads):
         corpus = load_corpus(cfg.corpus_bytes, cfg.val_fraction)
@@ -462,6 +477,7 @@ def run_demo(
             steps,
             seed,
             dev,
+            dict(policies or {}),
         )
         params = sum(p.numel() for p in build_model(cfg, seed, dev).parameters())
         console.print(_header(setup, params, threads, names))
@@ -606,7 +622,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--strategies",
         type=split_names,
         default=None,
-        help="comma-separated strategy names (default: every installed one but none)",
+        help="comma-separated strategy names, each with options as name:key=value;key=value "
+        "(default: every installed one but none)",
+    )
+    p.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="TOML",
+        help="a policy file to run too, labelled by its name; may be repeated",
     )
     p.add_argument("--seed", type=int, default=0, help="weights and batches (default: 0)")
     p.add_argument("--quick", action="store_true", help="tiny model and corpus, a few steps")
@@ -619,7 +643,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``torchstash demo``; the exit status is 1 only when stock itself failed."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    policies: dict[str, PolicyLike] = {}
+    for f in args.policy:  # read now: a bad file is a usage error, not a failed run
+        try:
+            policies[Path(f).stem] = as_policy(Path(f))
+        except PolicyError as e:
+            parser.error(str(e))
     result = run_demo(
         args.steps,
         args.out,
@@ -628,6 +659,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.quick,
         device=args.device,
         threads=args.threads,
+        policies=policies,
     )
     return 1 if result.stock.error else 0
 

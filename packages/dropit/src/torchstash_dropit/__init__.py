@@ -27,7 +27,7 @@ __all__ = ["MinK", "RandomDrop", "__version__", "register", "to_dropit"]
 
 def mink(
     gamma: float = 0.9,
-    scope: str = "tensor",
+    scope: str = "feature",
     storage: str = "auto",
     exact: bool = True,
     min_numel: int = 4096,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torchstash.errors import OptionError
 
-SCOPES = ("tensor", "sample", "row")
+SCOPES = ("tensor", "sample", "row", "feature")
 STORAGES = ("auto", "bitmap", "offsets")
 FILLS = ("mean", "zero")
 

@@ -7,6 +7,10 @@ stock for ``--steps`` steps and then given one more batch, against gamma and sco
 dropped mean, or DropIT's zeros). Input gradients are exact under
 DropIT, so each layer's error comes from its own input alone.
 
+``demo``: ``torchstash demo`` (same model, data and steps) with ``dropit.mink`` on the MLP and
+attention projections (the LM head exact), on every linear layer, and with DropIT's
+whole-tensor selection, for the held-out loss and step time against stock.
+
 ``zoo``: whole-model saved bytes on the bench zoo, against stock fp32 and against a stock
 bf16-autocast step (exact accounting through ``torchstash.measure``).
 """
@@ -31,10 +35,9 @@ from torchstash.errors import PolicyError
 from torchstash.policy import parse_spec
 from torchstash.zoo import ZooEntry, zoo
 
-from ._options import FILLS
+from ._options import FILLS, SCOPES
 
 GAMMAS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
-SCOPES = ("tensor", "sample", "row")
 #: The demo GPT's linear layers, by role (qualified-name globs).
 GROUPS = {
     "attn.qkv": "blocks.*.attn.qkv",
@@ -43,6 +46,17 @@ GROUPS = {
     "mlp.fc2": "blocks.*.mlp.2",
     "head": "head",
 }
+#: ``demo`` runs: label -> policy. The LM head's input is not a projection: left exact.
+PROJECTIONS = "dropit.mink, projections"
+DROPIT_PROJECTIONS = "dropit.mink:scope=tensor, projections"
+DEMO_POLICIES: dict[str, list[dict[str, Any]]] = {
+    PROJECTIONS: [{"strategy": "dropit.mink"}, {"module": "head", "strategy": "none"}],
+    DROPIT_PROJECTIONS: [
+        {"strategy": "dropit.mink", "options": {"scope": "tensor"}},
+        {"module": "head", "strategy": "none"},
+    ],
+}
+DEMO_STRATEGIES = ("dropit.mink", "dropit.mink:scope=tensor")
 ZOO_STRATEGIES = ("dropit.mink", "dropit.mink:scope=row", "dropit.mink>quant.int8")
 
 
@@ -195,6 +209,13 @@ def zoo_table(rows: list[dict[str, Any]], scale: str) -> Table:
     return t
 
 
+def demo(steps: int = 300, seed: int = 0, out: str = "demo-out/dropit") -> Any:
+    """The demo with :data:`DEMO_STRATEGIES` and :data:`DEMO_POLICIES`; its result."""
+    from torchstash.demo import run_demo
+
+    return run_demo(steps, out, list(DEMO_STRATEGIES), seed, policies=DEMO_POLICIES)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torchstash_dropit.evaluate")
     sub = parser.add_subparsers(dest="what", required=True)
@@ -204,6 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     err.add_argument("--scopes", default=",".join(SCOPES))
     err.add_argument("--no-random", action="store_true", help="leave out dropit.random")
     err.add_argument("--json", default=None, help="also write the rows to this file")
+    d = sub.add_parser("demo", help="the demo's loss and step time, projections and all")
+    d.add_argument("--steps", type=int, default=300)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--out", default="demo-out/dropit", help="folder for demo.json and demo.png")
     z = sub.add_parser("zoo", help="whole-model saved bytes on the bench zoo")
     z.add_argument("--scale", default="small", choices=["tiny", "small", "base"])
     z.add_argument(
@@ -214,6 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     z.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
     console = Console()
+    if args.what == "demo":
+        return 1 if demo(args.steps, args.seed, args.out).stock.error else 0
     try:
         if args.what == "error":
             gammas = [float(g) for g in args.gammas.split(",") if g]

@@ -55,7 +55,7 @@ class MinK(BaseCompressor):
     def __init__(
         self,
         gamma: float = 0.9,
-        scope: str = "tensor",
+        scope: str = "feature",
         storage_form: str = "auto",
         exact: bool = True,
         min_numel: int = MIN_NUMEL,
@@ -76,13 +76,27 @@ class MinK(BaseCompressor):
 
     # -- what it takes -------------------------------------------------------------------------
 
-    def segments(self, flat: torch.Tensor, x: torch.Tensor) -> int:
+    def segments(self, flat: torch.Tensor, x: torch.Tensor, site: Site | None = None) -> int:
         """How many equal segments ``x`` (in memory order ``flat``) is ranked in."""
-        if self.scope == "tensor" or flat.dim() == 0:
+        if self.scope == "tensor" or flat.dim() == 0 or x.dim() < 2:
             return 1
+        if self.scope == "feature":
+            return int(x.shape[feature_dim(x, site or Site())])
         if self.scope == "row":
             return flat.numel() // max(int(flat.shape[-1]), 1)
         return batch_of_op(x) if x.is_contiguous() else int(flat.shape[0])
+
+    def ordered(self, x: torch.Tensor, site: Site) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+        """``x`` in the order its segments are contiguous, and the permutation that undoes
+        it: memory order, or with ``scope="feature"`` the feature axis outermost (a copy)."""
+        if self.scope != "feature" or x.dim() < 2:
+            return memory_order(x)
+        feature = feature_dim(x, site)
+        perm = [feature, *(d for d in range(x.dim()) if d != feature)]
+        inverse = [0] * x.dim()
+        for i, d in enumerate(perm):
+            inverse[d] = i
+        return x.permute(perm).contiguous(), tuple(inverse)
 
     def kept_per_segment(self, length: int) -> int:
         """``ceil((1 - gamma) * length)``: at least one value of a non-empty segment stays."""
@@ -92,7 +106,7 @@ class MinK(BaseCompressor):
         """(segments, kept per segment, storage form) for ``x``; the form is dense where no
         sparse form (with its fill values) is smaller."""
         flat, _ = memory_order(x)
-        segments = self.segments(flat, x)
+        segments = self.segments(flat, x, site)
         k = self.kept_per_segment(x.numel() // segments)
         forms = (storage.BITMAP, storage.OFFSETS) if self.storage == "auto" else (self.storage,)
         extra = 4 * self.fill_features(x, site or Site())
@@ -143,7 +157,7 @@ class MinK(BaseCompressor):
         segments, k, form = self.plan(x, site)
         if form == storage.DENSE:
             return x
-        flat, inverse = memory_order(x)
+        flat, inverse = self.ordered(x, site)
         mask = self.select(flat, segments, k)
         kept = segments * k
         values = self.kept_values(flat, mask, kept, segments)
