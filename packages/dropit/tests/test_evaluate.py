@@ -48,3 +48,16 @@ def test_demo_runs_the_projection_policies(tmp_path: Path) -> None:
     assert all(r.error is None for r in result.runs)
     every, projections = result.run("dropit.mink"), result.run(evaluate.PROJECTIONS)
     assert every.stored_bytes < projections.stored_bytes < result.stock.raw_bytes
+
+
+def test_saved_bytes_table_beats_dropit_everywhere() -> None:
+    rows = evaluate.saved_bytes_table()
+    for r in rows:
+        assert r["mink"] < min(1.0, r["dropit"]), r
+        if r["mink_int8"] is not None:  # torchstash-quant installed beside
+            assert r["mink_int8"] < r["mink"], r
+    fp16 = next(r for r in rows if r["dtype"] == "float16" and r["gamma"] == 0.9)
+    assert fp16["mink"] <= 0.17 and fp16["dropit"] == pytest.approx(0.3)
+    if fp16["mink_int8"] is not None:
+        assert fp16["mink_int8"] <= 0.12
+    assert len(evaluate.bytes_table(rows).rows) == len(rows)

@@ -11,6 +11,10 @@ DropIT, so each layer's error comes from its own input alone.
 attention projections (the LM head exact), on every linear layer, and with DropIT's
 whole-tensor selection, for the held-out loss and step time against stock.
 
+``bytes``: the saved bytes of one ``Linear(256, 256)`` input of shape (64, 128, 256) against
+gamma and dtype, alone and with the kept values at int8 (when torchstash-quant is installed),
+next to DropIT's int32-index arithmetic.
+
 ``zoo``: whole-model saved bytes on the bench zoo, against stock fp32 and against a stock
 bf16-autocast step (exact accounting through ``torchstash.measure``).
 """
@@ -154,6 +158,69 @@ def error_table(rows: list[dict[str, Any]], steps: int) -> Table:
     return t
 
 
+# -- one linear input's saved bytes ------------------------------------------------------------
+
+BYTES_CASES = (
+    (torch.float16, 0.5),
+    (torch.float16, 0.7),
+    (torch.float16, 0.9),
+    (torch.float16, 0.99),
+    (torch.bfloat16, 0.9),
+    (torch.float32, 0.9),
+)
+
+
+def linear_input_ratio(dtype: torch.dtype, gamma: float, then: str | None = None) -> float:
+    """Stored / stock bytes of what a ``Linear(256, 256)`` saves for a (64, 128, 256) input
+    (the input only: the weight is a parameter and never counted)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(256, 256).to(dtype)
+    x = torch.randn(64, 128, 256, dtype=dtype, requires_grad=True)
+    policy: list[dict[str, Any]] = [
+        {
+            "strategy": f"dropit.mink>{then}" if then else "dropit.mink",
+            "options": {"dropit.mink": {"gamma": gamma}} if then else {"gamma": gamma},
+        }
+    ]
+    with ts.stash(policy=policy) as s:
+        y = layer(x * 1)
+    y.float().sum().backward()
+    row = next(r for r in s.tally.rows.values() if r.module_type == "Linear")
+    return row.stored_bytes / row.raw_bytes
+
+
+def dropit_ratio(dtype: torch.dtype, gamma: float) -> float:
+    """DropIT's storage: the kept values plus an int32 index each."""
+    e = torch.finfo(dtype).bits // 8
+    return (1 - gamma) * (e + 4) / e
+
+
+def saved_bytes_table() -> list[dict[str, Any]]:
+    then = "quant.int8" if "quant.int8" in ts.REGISTRY.names() else None
+    rows = []
+    for dtype, gamma in BYTES_CASES:
+        rows.append(
+            {
+                "dtype": str(dtype).removeprefix("torch."),
+                "gamma": gamma,
+                "mink": linear_input_ratio(dtype, gamma),
+                "mink_int8": linear_input_ratio(dtype, gamma, then) if then else None,
+                "dropit": dropit_ratio(dtype, gamma),
+            }
+        )
+    return rows
+
+
+def bytes_table(rows: list[dict[str, Any]]) -> Table:
+    t = Table(title="saved bytes of a Linear(256, 256) input (64, 128, 256), x dense")
+    for col in ("dtype", "gamma", "dropit.mink", "dropit.mink>quant.int8", "DropIT"):
+        t.add_column(col, justify="left" if col == "dtype" else "right")
+    for r in rows:
+        int8 = "not installed" if r["mink_int8"] is None else f"{r['mink_int8']:.3f}"
+        t.add_row(r["dtype"], f"{r['gamma']:g}", f"{r['mink']:.3f}", int8, f"{r['dropit']:.3f}")
+    return t
+
+
 # -- whole-model saved bytes on the bench zoo ------------------------------------------------
 
 
@@ -225,6 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     err.add_argument("--scopes", default=",".join(SCOPES))
     err.add_argument("--no-random", action="store_true", help="leave out dropit.random")
     err.add_argument("--json", default=None, help="also write the rows to this file")
+    b = sub.add_parser("bytes", help="one linear input's saved bytes against gamma and dtype")
+    b.add_argument("--json", default=None, help="also write the rows to this file")
     d = sub.add_parser("demo", help="the demo's loss and step time, projections and all")
     d.add_argument("--steps", type=int, default=300)
     d.add_argument("--seed", type=int, default=0)
@@ -247,6 +316,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             scopes = [s for s in args.scopes.split(",") if s]
             rows = error_vs_gamma(args.steps, gammas, scopes, random=not args.no_random)
             console.print(error_table(rows, args.steps))
+        elif args.what == "bytes":
+            rows = saved_bytes_table()
+            console.print(bytes_table(rows))
         else:
             rows = zoo_saved_bytes(args.scale, [s for s in args.strategies.split(",") if s])
             console.print(zoo_table(rows, args.scale))
