@@ -197,8 +197,10 @@ class MinK(BaseCompressor):
             else:
                 ones = torch.ones(values.numel(), dtype=packed.dtype, device=values.device)
                 present = offsets_scatter(offsets, counts, ones, n) != 0
+            feature = packed.meta["feature"]
+            assert isinstance(feature, int)
             shape = [1] * out.dim()
-            shape[int(packed.meta["feature"])] = fill.numel()
+            shape[feature] = fill.numel()
             fill_b = fill.to(packed.dtype).view(shape)
             out = torch.where(restore(present, packed.shape, order), out, fill_b)
         return out
