@@ -141,6 +141,61 @@ def test_rewrites_swap_modules_and_remove_puts_them_back(rewrite_strategy: str) 
     assert all(model.get_submodule(n) is m for n, m in originals.items())
 
 
+class CountingReLU(nn.ReLU):
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        CountingReLU.calls += 1
+        return super().forward(x)
+
+
+class InPlaceRewriter:
+    """Swaps a ReLU's class in place, as memsave does."""
+
+    name = "test.swap"
+
+    def rewrite(self, module: nn.Module) -> ts.Swapped | None:
+        if type(module) is not nn.ReLU:
+            return None
+        module.__class__ = CountingReLU
+
+        def undo() -> None:
+            module.__class__ = nn.ReLU
+
+        return ts.Swapped(module, undo)
+
+
+@pytest.fixture
+def swap_strategy() -> Any:
+    ts.REGISTRY.register("test.swap", InPlaceRewriter, lossless=True, summary="")
+    yield "test.swap"
+    ts.REGISTRY.unregister("test.swap")
+
+
+def test_in_place_rewrites_keep_state_and_undo(swap_strategy: str) -> None:
+    shared = nn.ReLU()
+    model = nn.Sequential(nn.Linear(4, 4), shared, nn.Sequential(shared), nn.Linear(4, 4))
+    h = ts.apply(model, swap_strategy)
+    assert len(h.rewrites) == 1  # registered under two parents: swapped once
+    assert model[1] is shared and type(shared) is CountingReLU
+    model.eval()  # state changed while applied is the module's own: nothing to copy back
+    CountingReLU.calls = 0
+    model(torch.randn(2, 4) * 1).sum().backward()
+    assert CountingReLU.calls == 2
+    h.remove()
+    assert type(shared) is nn.ReLU and model[1] is shared and not shared.training
+    # the model itself may be changed in place
+    root = nn.ReLU()
+    with ts.apply(root, swap_strategy) as h2:
+        assert type(root) is CountingReLU and len(h2.rewrites) == 1
+    assert type(root) is nn.ReLU
+
+
+def test_a_new_module_for_the_root_is_refused(rewrite_strategy: str) -> None:
+    with pytest.raises(ApplyError, match="only in place"):
+        ts.apply(nn.ReLU(), rewrite_strategy)
+
+
 def test_rewriting_nothing_is_reported(rewrite_strategy: str) -> None:
     with pytest.raises(ApplyError, match="found no module to rewrite"):
         ts.apply(nn.Sequential(nn.Linear(2, 2)), rewrite_strategy)

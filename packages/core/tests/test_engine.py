@@ -400,3 +400,56 @@ def test_opened_is_only_for_listed_composites() -> None:
     for func in OPENED_COMPOSITES:
         copy = opened(func)
         assert copy is not None and copy is not func and copy.__code__ is func.__code__
+
+
+def test_a_code_yields_to_the_same_tensor_saved_as_is(toy_strategies: list[str]) -> None:
+    """A GELU's input coded first, then saved as is by the linear that reads it: one raw copy
+    is held (never more than stock) and both ops read the exact tensor."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    x = torch.randn(32, 64)
+    policy = [{"strategy": "test.half"}, {"op": "linear", "strategy": "none"}]
+
+    def run(apply: bool) -> tuple[list[torch.Tensor], Any]:
+        model.zero_grad()
+        handle = ts.apply(model, policy=policy, min_bytes=0) if apply else None
+        h = model[0](x)
+        y = model[1](h)  # the GELU saves h (coded)...
+        z = model[2](h)  # ...then the linear saves h as is
+        (y * z).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        tally = handle.tally if handle is not None else None
+        if handle is not None:
+            handle.remove()
+        return grads, tally
+
+    stock, _ = run(False)
+    ours, tally = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(stock, ours, strict=True))  # exact: no half
+    assert tally.stored_bytes == tally.raw_bytes  # the half code was dropped, nothing beside
+    assert sum(r.compressed for r in tally.rows.values()) == 0
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return 2 * g * x
+
+
+def test_as_op_names_a_custom_functions_saves(recorder: Recorder) -> None:
+    from torchstash.optrack import as_op
+
+    x = torch.randn(64, 64, requires_grad=True)
+    with ts.stash("test.recorder", min_bytes=0):
+        h = x * 1.0
+        with as_op("square", (h,)):
+            y = _Square.apply(h)
+        _Square.apply(y).sum()  # outside: no op name
+    named = [(s.op, s.role) for s in recorder.sites]
+    assert ("square", "input") in named and ("", "") in named

@@ -97,13 +97,17 @@ def test_mesa_never_wraps_nor_clamps_and_keeps_state_out_of_the_model() -> None:
 def test_relu_sign_bits_are_exact() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8), nn.ReLU(inplace=True))
+    # A frozen next weight: the Linear saves no input, so only the ReLU holds its result (a
+    # tensor that another op saves as is is held once, as is: see the core's engine).
+    model[2].weight.requires_grad_(False)
     x = torch.randn(32, 64)
     model(x).sum().backward()
-    ref = [p.grad.clone() for p in model.parameters()]
+    ref = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     model.zero_grad()
     with ts.apply(model, policy=[{"op": "relu", "strategy": "quant.int1"}], min_bytes=0) as h:
         model(x).sum().backward()
-    assert all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters()))
+    got = [p.grad for p in model.parameters() if p.grad is not None]
+    assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(ref, got))
     relu = h.tally.rows["1"]
     assert relu.compressed == 1 and relu.stored_bytes == 32 * 256 // 8
 

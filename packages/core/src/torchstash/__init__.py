@@ -15,7 +15,7 @@ from .api import Handle, apply, handle_of, remove, stash, strategies
 from .compressor import BaseCompressor, Composed, Compressor
 from .measure import ModuleRow, Report, measure
 from .packed import Packed
-from .plan import Rewriter
+from .plan import Rewriter, Swapped
 from .policy import Policy, Rule
 from .registry import REGISTRY, Registry, Strategy, register_strategy
 from .site import Site
@@ -32,6 +32,7 @@ __all__ = [
     "Registry",
     "Report",
     "Rewriter",
+    "Swapped",
     "Rule",
     "Site",
     "Strategy",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -16,7 +16,7 @@ from . import tags
 from .engine import DEFAULT_MIN_BYTES, Engine, ModuleInfo, Tally
 from .errors import ApplyError
 from .packed import storage_base
-from .plan import Plan
+from .plan import Plan, Swapped
 from .policy import Policy, Rule, as_policy
 from .registry import REGISTRY
 from .site import Site
@@ -28,11 +28,20 @@ _HANDLES: weakref.WeakKeyDictionary[nn.Module, Handle] = weakref.WeakKeyDictiona
 
 @dataclass(frozen=True)
 class Rewrite:
-    parent: nn.Module
+    """One module rewritten: replaced in its parent, or changed in place (``undo`` set)."""
+
+    parent: nn.Module | None
     name: str
     original: nn.Module
     replacement: nn.Module
     qualname: str
+    undo: Callable[[], None] | None = None
+
+    def revert(self) -> None:
+        if self.undo is not None:
+            self.undo()
+        elif self.parent is not None:
+            setattr(self.parent, self.name, self.original)
 
 
 class Handle:
@@ -62,7 +71,7 @@ class Handle:
         for h in self.hooks:
             h.remove()
         for rw in reversed(self.rewrites):
-            setattr(rw.parent, rw.name, rw.original)
+            rw.revert()
         self.hooks.clear()
         self.rewrites.clear()
         self.removed = True
@@ -180,14 +189,29 @@ def _site_of(info: ModuleInfo) -> Site:
 
 
 def _rewrite(model: nn.Module, plan: Plan, handle: Handle) -> None:
+    """Offer every module (the model itself included) to the rewriters that select it.
+
+    A replacement is set into the parent (the model itself can only be changed in place); a
+    module changed in place is visited once even where it is registered under two parents.
+    """
     replaced: list[str] = []
+    seen: set[int] = set()
     for name, module, info in list(_infos(model)):
-        if not name or any(name.startswith(r + ".") for r in replaced):
+        if any(name.startswith(r + ".") for r in replaced) or id(module) in seen:
             continue
+        seen.add(id(module))
         for rewriter in plan.rewriters(_site_of(info), info.type_names):
             new = rewriter.rewrite(module)
+            if isinstance(new, Swapped):
+                handle.rewrites.append(Rewrite(None, name, module, module, name, new.undo))
+                continue
             if new is None or new is module:
                 continue
+            if not name:
+                raise ApplyError(
+                    f"{rewriter.name} returned a new module for the model itself; a "
+                    "rewriter may change the model only in place (torchstash.plan.Swapped)"
+                )
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name)
             setattr(parent, attr, new)

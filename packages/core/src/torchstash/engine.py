@@ -293,6 +293,8 @@ class Engine:
             # code (a ReLU's sign mask) must not stand in for the tensor another op saved.
             # A tensor another op already holds as is is shared as is: a compressed copy
             # beside it would only add memory (a ReLU's output that a conv also saves).
+            if hit is not None and hit.source() is not None and compressor is None:
+                self._store_as_is(hit, t)  # another op needs it as is: one raw copy, shared
             if (
                 hit is not None
                 and hit.source() is not None
@@ -309,6 +311,28 @@ class Engine:
         if key is not None:
             self._remember(key, entry)
         return _Saved(entry)
+
+    def _store_as_is(self, entry: _Entry, t: torch.Tensor) -> None:
+        """Turn a compressed entry into the tensor itself, which a later op saves as is.
+
+        Autograd keeps that tensor alive for the later op anyway; holding the earlier op's
+        code beside it would cost more than stock (a ReLU's 1-bit mask next to the conv input
+        it also is), so the earlier op reads the exact tensor instead: less memory, no loss.
+        """
+        packed = entry.value
+        if not isinstance(packed, Packed):
+            return
+        row = self.tally.row(entry.site)
+        row.stored_bytes += raw_nbytes(t) - packed.nbytes()
+        if t.device.type != "cpu":
+            row.host_bytes -= sum(
+                raw_nbytes(p) for p in packed.payload_tensors() if p.device.type == "cpu"
+            )
+        row.compressed -= 1
+        value = t.detach()
+        entry.value = value if value.shape == packed.shape else value.view(packed.shape)
+        entry.compressor = None
+        entry.variant = ""
 
     def _remember(self, key: tuple[Any, ...], entry: _Entry) -> None:
         """Index a stored entry for deduplication (weakly: the graph owns the entry)."""

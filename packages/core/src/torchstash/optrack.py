@@ -12,9 +12,10 @@ so every op inside is seen under its own name (see :func:`opened`).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -205,6 +206,27 @@ def _deliver(state: OpState, call_id: int, result: Any) -> None:
     state.waiting = [(cid, cb) for cid, cb in state.waiting if cid > call_id]
     for callback in due:
         callback(result)
+
+
+@contextlib.contextmanager
+def as_op(
+    op: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+) -> Iterator[None]:
+    """Name the op running inside the block, for what a custom ``autograd.Function`` saves.
+
+    The tracker sees torch calls, not a Function's ``apply``; a plug-in's Function (memsave's
+    conv) wraps its ``apply`` in ``as_op("conv", (x, weight, bias))`` so its saves get the
+    site a stock conv's would (op, role), and a policy can still select and compress them.
+    """
+    state = STATE
+    prev = (state.op, state.raw, state.args, state.kwargs)
+    state.op, state.raw = op, op
+    state.args, state.kwargs = args, kwargs or {}
+    state.call_id += 1
+    try:
+        yield
+    finally:
+        state.op, state.raw, state.args, state.kwargs = prev
 
 
 def op_argument(name: str, position: int, default: Any = None) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -17,14 +17,25 @@ from .site import Site
 CHAIN = ">"
 
 
+@dataclass(frozen=True)
+class Swapped:
+    """A rewrite done in place (the module's class swapped for a memory-saving subclass):
+    parameters, buffers, hooks, ``training`` and every attribute stay the module's own, so
+    nothing goes stale while it is applied. ``undo`` puts the original class back."""
+
+    module: nn.Module
+    undo: Callable[[], None]
+
+
 @runtime_checkable
 class Rewriter(Protocol):
     """A strategy part that swaps modules for memory-saving ones (memsave's layers)."""
 
     name: str
 
-    def rewrite(self, module: nn.Module) -> nn.Module | None:
-        """The replacement for ``module`` (sharing its parameters), or None to keep it."""
+    def rewrite(self, module: nn.Module) -> nn.Module | Swapped | None:
+        """The replacement for ``module`` (sharing its parameters), the same module changed in
+        place (:class:`Swapped`), or None to keep it."""
         ...
 
 
