@@ -453,3 +453,31 @@ def test_as_op_names_a_custom_functions_saves(recorder: Recorder) -> None:
         _Square.apply(y).sum()  # outside: no op name
     named = [(s.op, s.role) for s in recorder.sites]
     assert ("square", "input") in named and ("", "") in named
+
+
+def test_an_ops_own_codec_is_used_and_yields_to_a_raw_save() -> None:
+    from torchstash.optrack import as_op, engine_active
+    from torchstash.testing.toys import HalfCompressor
+
+    codec = HalfCompressor()
+    x = torch.randn(64, 64, requires_grad=True)
+    assert not engine_active()
+    with ts.stash("none", min_bytes=0) as s:
+        assert engine_active()
+        h = x * 1.0
+        with as_op("square", (h,), codec=codec):
+            y = _Square.apply(h)  # saves h: coded by the op's codec, not the policy's none
+            inner = h.exp()  # a torch call inside the block: its own op, no codec
+    rows = list(s.tally.rows.values())
+    assert sum(r.compressed for r in rows) == 1
+    (y.sum() + inner.sum()).backward()
+    with ts.stash("none", min_bytes=0) as s2:
+        h = x * 1.0
+        with as_op("square", (h,), codec=codec):
+            y = _Square.apply(h)
+        z = h * h  # mul saves h as is: the code is dropped, one raw copy shared
+    assert sum(r.compressed for r in s2.tally.rows.values()) == 0
+    assert s2.tally.stored_bytes == s2.tally.raw_bytes
+    x.grad = None
+    (y.sum() + z.sum()).backward()
+    assert torch.equal(x.grad, 4 * x.detach())  # type: ignore[arg-type]

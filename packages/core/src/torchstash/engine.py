@@ -347,6 +347,9 @@ class Engine:
         """The compressor that will take ``t``, or None and why not."""
         if nbytes < self.min_bytes:
             return None, f"smaller than min_bytes={self.min_bytes}"
+        codec = OP_STATE.codec  # the op's own code for what it saves (optrack.as_op)
+        if codec is not None and not codec.unsupported(t, site):
+            return codec, ""
         compressor = self.resolve(site, self._types(site))
         if compressor is None:
             return None, ""

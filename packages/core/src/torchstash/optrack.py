@@ -147,6 +147,8 @@ class OpState(threading.local):
         self.raw = ""
         self.args: Sequence[Any] = ()
         self.kwargs: dict[str, Any] = {}
+        #: a codec the running op asks for its own saves (see :func:`as_op`)
+        self.codec: Any = None
         self.depth = 0  # trackers active on this thread
         self.call_id = 0  # increments at every tracked call
         #: (call id, callback) pairs waiting for that call's result; see :func:`on_result`
@@ -170,9 +172,9 @@ class OpTracker(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         state = STATE
         kwargs = kwargs or {}
-        prev = (state.op, state.raw, state.args, state.kwargs)
+        prev = (state.op, state.raw, state.args, state.kwargs, state.codec)
         state.op, state.raw = op_names(func)
-        state.args, state.kwargs = args, kwargs
+        state.args, state.kwargs, state.codec = args, kwargs, None
         state.call_id += 1
         call_id = state.call_id
         inner = opened(func) if func in OPENED_COMPOSITES else None
@@ -183,7 +185,7 @@ class OpTracker(TorchFunctionMode):
             else:
                 result = func(*args, **kwargs)
         finally:
-            state.op, state.raw, state.args, state.kwargs = prev
+            state.op, state.raw, state.args, state.kwargs, state.codec = prev
         if state.waiting:
             _deliver(state, call_id, result)
         return result
@@ -210,23 +212,37 @@ def _deliver(state: OpState, call_id: int, result: Any) -> None:
 
 @contextlib.contextmanager
 def as_op(
-    op: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    op: str,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    func: str | None = None,
+    codec: Any = None,
 ) -> Iterator[None]:
     """Name the op running inside the block, for what a custom ``autograd.Function`` saves.
 
     The tracker sees torch calls, not a Function's ``apply``; a plug-in's Function (memsave's
     conv) wraps its ``apply`` in ``as_op("conv", (x, weight, bias))`` so its saves get the
     site a stock conv's would (op, role), and a policy can still select and compress them.
+    ``func`` is the raw name sites report (default ``op``). ``codec`` is a compressor the op
+    asks for its own saves (memsave's ReLU: a 1-bit mask of the output it saves): the engine
+    uses it before the policy's, and like any engine code it yields to the same tensor saved
+    as is by a later op, so the op never holds more than stock.
     """
     state = STATE
-    prev = (state.op, state.raw, state.args, state.kwargs)
-    state.op, state.raw = op, op
-    state.args, state.kwargs = args, kwargs or {}
+    prev = (state.op, state.raw, state.args, state.kwargs, state.codec)
+    state.op, state.raw = op, func or op
+    state.args, state.kwargs, state.codec = args, kwargs or {}, codec
     state.call_id += 1
     try:
         yield
     finally:
-        state.op, state.raw, state.args, state.kwargs = prev
+        state.op, state.raw, state.args, state.kwargs, state.codec = prev
+
+
+def engine_active() -> bool:
+    """True while a torchstash engine records saves on this thread (its tracker is on)."""
+    return STATE.depth > 0
 
 
 def op_argument(name: str, position: int, default: Any = None) -> Any:
