@@ -1,0 +1,463 @@
+"""Max, average and adaptive average pooling that save (next to) nothing.
+
+* MaxPool: stock keeps the input (its backward reads only the sizes) and int64 indices. Here
+  only the position inside the window is kept, at 1, 2, 4 or 8 bits (2x2: 2 bits, 3x3: 4
+  bits); the global index is rebuilt in backward. Windows over 256 elements keep int16
+  positions, over 32767 the int64 indices (never the input).
+* AvgPool and AdaptiveAvgPool: stock keeps the input, whose backward reads only its sizes;
+  here nothing is kept. AdaptiveAvgPool with output size 1 is stock's ``mean``, which saves
+  nothing already: it is called unchanged (another backward op would not be bit-exact).
+
+1-d pooling is 2-d pooling on ``input.unsqueeze(-2)``, as in ATen, so it takes the same path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from ._standin import Layout, expand, needs_graph, pack_codes, standin, unpack_codes
+
+__all__ = [
+    "AdaptiveAvgPoolFunction",
+    "AvgPoolFunction",
+    "MaxPoolFunction",
+    "adaptive_avg_pool1d",
+    "adaptive_avg_pool2d",
+    "adaptive_avg_pool3d",
+    "avg_pool1d",
+    "avg_pool2d",
+    "avg_pool3d",
+    "max_pool1d",
+    "max_pool2d",
+    "max_pool3d",
+]
+
+aten = torch.ops.aten
+
+IntOrSeq = int | Sequence[int]
+
+_MAX_POOL = {2: aten.max_pool2d_with_indices, 3: aten.max_pool3d_with_indices}
+_MAX_POOL_BACKWARD = {
+    2: aten.max_pool2d_with_indices_backward,
+    3: aten.max_pool3d_with_indices_backward,
+}
+_AVG_POOL = {2: aten.avg_pool2d, 3: aten.avg_pool3d}
+_AVG_POOL_BACKWARD = {2: aten.avg_pool2d_backward, 3: aten.avg_pool3d_backward}
+_ADAPTIVE = {2: aten._adaptive_avg_pool2d, 3: aten._adaptive_avg_pool3d}
+_ADAPTIVE_BACKWARD = {
+    2: aten._adaptive_avg_pool2d_backward,
+    3: aten._adaptive_avg_pool3d_backward,
+}
+
+
+def window_bits(window: int) -> int | None:
+    """The packed width (1, 2, 4 or 8 bits) of an in-window position, None over 256."""
+    for bits in (1, 2, 4, 8):
+        if window <= 1 << bits:
+            return bits
+    return None
+
+
+def _starts(
+    out_sizes: Sequence[int], stride: Sequence[int], padding: Sequence[int], device: torch.device
+) -> list[torch.Tensor]:
+    """Per spatial dim, each output position's window start, shaped to broadcast."""
+    nd = len(out_sizes)
+    starts = []
+    for i, size in enumerate(out_sizes):
+        start = torch.arange(size, device=device) * stride[i] - padding[i]
+        starts.append(start.view([size] + [1] * (nd - 1 - i)))
+    return starts
+
+
+def _encode(
+    indices: torch.Tensor,
+    in_sizes: Sequence[int],
+    starts: list[torch.Tensor],
+    kernel: Sequence[int],
+    dilation: Sequence[int],
+) -> torch.Tensor:
+    """Flat spatial indices -> row-major positions inside their windows."""
+    rest, code = indices, None
+    scale = 1
+    for i in reversed(range(len(kernel))):
+        position = rest % in_sizes[i]
+        rest = rest // in_sizes[i]
+        local = (position - starts[i]) // dilation[i] * scale
+        code = local if code is None else code + local
+        scale *= kernel[i]
+    assert code is not None
+    return code
+
+
+def _decode(
+    code: torch.Tensor,
+    in_sizes: Sequence[int],
+    starts: list[torch.Tensor],
+    kernel: Sequence[int],
+    dilation: Sequence[int],
+) -> torch.Tensor:
+    """Row-major positions inside windows -> flat spatial indices (int64)."""
+    code = code.long()
+    index: torch.Tensor | None = None
+    for i in range(len(kernel)):
+        local = code // math.prod(kernel[i + 1 :]) % kernel[i]
+        position = starts[i] + local * dilation[i]
+        index = position if index is None else index * in_sizes[i] + position
+    assert index is not None
+    return index
+
+
+class MaxPoolFunction(torch.autograd.Function):
+    """``aten.max_pool{2,3}d_with_indices`` keeping only the in-window position of each max.
+
+    Stock keeps the input (only its sizes are read) and int64 indices.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        kernel: list[int],
+        stride: list[int],
+        padding: list[int],
+        dilation: list[int],
+        ceil_mode: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        nd = len(kernel)
+        out, indices = _MAX_POOL[nd](x, kernel, stride, padding, dilation, ceil_mode)
+        ctx.mark_non_differentiable(indices)
+        ctx.set_materialize_grads(False)  # no int64 zeros for the indices' gradient
+        ctx.conf = (kernel, stride, padding, dilation, ceil_mode)
+        ctx.layout = Layout.of(x)
+        ctx.out_sizes = tuple(out.shape[-nd:])
+        ctx.code = None
+        if not ctx.needs_input_grad[0]:
+            ctx.save_for_backward(None)
+            return out, indices
+        window = math.prod(kernel)
+        bits = window_bits(window)
+        if window > 2**15 - 1:  # keep stock's indices (still not the input)
+            ctx.save_for_backward(indices)
+            return out, indices
+        starts = _starts(ctx.out_sizes, stride, padding, x.device)
+        code = _encode(indices, x.shape[-nd:], starts, kernel, dilation)
+        if bits is None:
+            ctx.save_for_backward(code.to(torch.int16))
+            ctx.code = (None, tuple(code.shape), None)
+        else:
+            packed, inverse = pack_codes(code.to(torch.uint8), bits)
+            ctx.save_for_backward(packed)
+            ctx.code = (bits, tuple(code.shape), inverse)
+        return out, indices
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: Any, grad: torch.Tensor | None, grad_indices: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        del grad_indices
+        if grad is None:
+            return None, None, None, None, None, None
+        (saved,) = ctx.saved_tensors
+        kernel, stride, padding, dilation, ceil_mode = ctx.conf
+        nd = len(kernel)
+        if ctx.code is None:
+            indices = saved
+        else:
+            bits, shape, inverse = ctx.code
+            code = saved if bits is None else unpack_codes(saved, bits, shape, inverse)
+            starts = _starts(ctx.out_sizes, stride, padding, grad.device)
+            indices = _decode(code, ctx.layout.shape[-nd:], starts, kernel, dilation)
+        x = standin(ctx.layout, sizes_only=True)
+        gx = _MAX_POOL_BACKWARD[nd](grad, x, kernel, stride, padding, dilation, ceil_mode, indices)
+        return gx, None, None, None, None, None
+
+
+def _max_pool(
+    x: torch.Tensor,
+    nd: int,
+    kernel_size: IntOrSeq,
+    stride: IntOrSeq | None,
+    padding: IntOrSeq,
+    dilation: IntOrSeq,
+    ceil_mode: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    kernel = expand(kernel_size, nd, "kernel_size")
+    stride_ = _stride(stride, kernel, nd)
+    padding_ = expand(padding, nd, "padding")
+    dilation_ = expand(dilation, nd, "dilation")
+    out: tuple[torch.Tensor, torch.Tensor] = MaxPoolFunction.apply(
+        x, kernel, stride_, padding_, dilation_, ceil_mode
+    )
+    return out
+
+
+def _stride(stride: IntOrSeq | None, kernel: list[int], nd: int) -> list[int]:
+    """The kernel size where no stride is given (None or empty, as ATen reads it)."""
+    if stride is None or (not isinstance(stride, int) and len(stride) == 0):
+        return kernel
+    return expand(stride, nd, "stride")
+
+
+def _check_1d(x: torch.Tensor, name: str) -> None:
+    if x.dim() not in (2, 3):
+        raise RuntimeError(
+            f"{name}() Expected 2D or 3D input tensor, but got {x.dim()}D input: {list(x.shape)}"
+        )
+
+
+def _one(value: IntOrSeq, name: str) -> int:
+    values = expand(value, 1, name)
+    return values[0]
+
+
+def max_pool1d(
+    input: torch.Tensor,
+    kernel_size: IntOrSeq,
+    stride: IntOrSeq | None = None,
+    padding: IntOrSeq = 0,
+    dilation: IntOrSeq = 1,
+    ceil_mode: bool = False,
+    return_indices: bool = False,
+) -> Any:
+    """``F.max_pool1d``: keeps the in-window position of each max at 1-8 bits."""
+    if not needs_graph(input):
+        return F.max_pool1d(
+            input, kernel_size, stride, padding, dilation, ceil_mode, return_indices
+        )
+    _check_1d(input, "max_pool1d")
+    k = _one(kernel_size, "kernel_size")
+    s = _stride(stride, [k], 1)[0]
+    out, indices = _max_pool(
+        input.unsqueeze(-2),
+        2,
+        [1, k],
+        [1, s],
+        [0, _one(padding, "padding")],
+        [1, _one(dilation, "dilation")],
+        ceil_mode,
+    )
+    out, indices = out.squeeze(-2), indices.squeeze(-2)
+    return (out, indices) if return_indices else out
+
+
+def max_pool2d(
+    input: torch.Tensor,
+    kernel_size: IntOrSeq,
+    stride: IntOrSeq | None = None,
+    padding: IntOrSeq = 0,
+    dilation: IntOrSeq = 1,
+    ceil_mode: bool = False,
+    return_indices: bool = False,
+) -> Any:
+    """``F.max_pool2d``: keeps the in-window position of each max at 1-8 bits."""
+    if not needs_graph(input):
+        return F.max_pool2d(
+            input, kernel_size, stride, padding, dilation, ceil_mode, return_indices
+        )
+    out, indices = _max_pool(input, 2, kernel_size, stride, padding, dilation, ceil_mode)
+    return (out, indices) if return_indices else out
+
+
+def max_pool3d(
+    input: torch.Tensor,
+    kernel_size: IntOrSeq,
+    stride: IntOrSeq | None = None,
+    padding: IntOrSeq = 0,
+    dilation: IntOrSeq = 1,
+    ceil_mode: bool = False,
+    return_indices: bool = False,
+) -> Any:
+    """``F.max_pool3d``: keeps the in-window position of each max at 1-8 bits."""
+    if not needs_graph(input):
+        return F.max_pool3d(
+            input, kernel_size, stride, padding, dilation, ceil_mode, return_indices
+        )
+    out, indices = _max_pool(input, 3, kernel_size, stride, padding, dilation, ceil_mode)
+    return (out, indices) if return_indices else out
+
+
+class AvgPoolFunction(torch.autograd.Function):
+    """``aten.avg_pool{2,3}d`` keeping nothing: stock keeps the input for its sizes."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        kernel: list[int],
+        stride: list[int],
+        padding: list[int],
+        ceil_mode: bool,
+        count_include_pad: bool,
+        divisor_override: int | None,
+    ) -> torch.Tensor:
+        conf = (kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
+        ctx.conf = conf
+        ctx.layout = Layout.of(x)
+        out: torch.Tensor = _AVG_POOL[len(kernel)](x, *conf)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x = standin(ctx.layout, sizes_only=True)
+        gx = _AVG_POOL_BACKWARD[len(ctx.conf[0])](grad, x, *ctx.conf)
+        return gx, None, None, None, None, None, None
+
+
+def _avg_pool(
+    x: torch.Tensor,
+    nd: int,
+    kernel_size: IntOrSeq,
+    stride: IntOrSeq | None,
+    padding: IntOrSeq,
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+) -> torch.Tensor:
+    kernel = expand(kernel_size, nd, "kernel_size")
+    stride_ = _stride(stride, kernel, nd)
+    out: torch.Tensor = AvgPoolFunction.apply(
+        x,
+        kernel,
+        stride_,
+        expand(padding, nd, "padding"),
+        ceil_mode,
+        count_include_pad,
+        divisor_override,
+    )
+    return out
+
+
+def avg_pool1d(
+    input: torch.Tensor,
+    kernel_size: IntOrSeq,
+    stride: IntOrSeq | None = None,
+    padding: IntOrSeq = 0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+) -> torch.Tensor:
+    """``F.avg_pool1d``: keeps nothing (stock: the input, for its sizes)."""
+    if not needs_graph(input):
+        return F.avg_pool1d(input, kernel_size, stride, padding, ceil_mode, count_include_pad)
+    _check_1d(input, "avg_pool1d")
+    k = _one(kernel_size, "kernel_size")
+    s = _stride(stride, [k], 1)[0]
+    out = _avg_pool(
+        input.unsqueeze(-2),
+        2,
+        [1, k],
+        [1, s],
+        [0, _one(padding, "padding")],
+        ceil_mode,
+        count_include_pad,
+        None,
+    )
+    return out.squeeze(-2)
+
+
+def avg_pool2d(
+    input: torch.Tensor,
+    kernel_size: IntOrSeq,
+    stride: IntOrSeq | None = None,
+    padding: IntOrSeq = 0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: int | None = None,
+) -> torch.Tensor:
+    """``F.avg_pool2d``: keeps nothing (stock: the input, for its sizes)."""
+    if not needs_graph(input):
+        return F.avg_pool2d(
+            input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
+        )
+    return _avg_pool(
+        input, 2, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
+    )
+
+
+def avg_pool3d(
+    input: torch.Tensor,
+    kernel_size: IntOrSeq,
+    stride: IntOrSeq | None = None,
+    padding: IntOrSeq = 0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: int | None = None,
+) -> torch.Tensor:
+    """``F.avg_pool3d``: keeps nothing (stock: the input, for its sizes)."""
+    if not needs_graph(input):
+        return F.avg_pool3d(
+            input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
+        )
+    return _avg_pool(
+        input, 3, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
+    )
+
+
+class AdaptiveAvgPoolFunction(torch.autograd.Function):
+    """``aten._adaptive_avg_pool{2,3}d`` keeping nothing: stock keeps the input for its sizes."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, output_size: list[int]) -> torch.Tensor:
+        ctx.nd = len(output_size)
+        ctx.layout = Layout.of(x)
+        out: torch.Tensor = _ADAPTIVE[ctx.nd](x, output_size)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x = standin(ctx.layout, sizes_only=True)
+        return _ADAPTIVE_BACKWARD[ctx.nd](grad, x), None
+
+
+OutputSize = int | None | Sequence[int | None]
+
+
+def _output_size(x: torch.Tensor, output_size: OutputSize, nd: int) -> list[int] | None:
+    """``F.adaptive_avg_poolNd``'s ``_list_with_default`` (None keeps the input's size);
+    None where stock's op would refuse the sizes (it is then called to raise its error)."""
+    if isinstance(output_size, int):
+        return [output_size] * nd
+    if output_size is None or len(output_size) != nd:
+        return None
+    if x.dim() <= nd:
+        raise ValueError(f"Input dimension should be at least {nd + 1}")
+    return [x.shape[i - nd] if s is None else int(s) for i, s in enumerate(output_size)]
+
+
+def _adaptive(x: torch.Tensor, output_size: list[int]) -> torch.Tensor:
+    out: torch.Tensor = AdaptiveAvgPoolFunction.apply(x, output_size)
+    return out
+
+
+def adaptive_avg_pool1d(input: torch.Tensor, output_size: IntOrSeq) -> torch.Tensor:
+    """``F.adaptive_avg_pool1d``: keeps nothing (stock: the input); size 1 is stock's mean."""
+    size = _one(output_size, "output_size")
+    if not needs_graph(input) or size == 1:
+        return F.adaptive_avg_pool1d(input, output_size)
+    _check_1d(input, "adaptive_avg_pool1d")
+    return _adaptive(input.unsqueeze(-2), [1, size]).squeeze(-2)
+
+
+def adaptive_avg_pool2d(input: torch.Tensor, output_size: OutputSize) -> torch.Tensor:
+    """``F.adaptive_avg_pool2d``: keeps nothing (stock: the input); 1x1 is stock's mean."""
+    size = _output_size(input, output_size, 2)
+    if not needs_graph(input) or size is None or size == [1, 1]:
+        return F.adaptive_avg_pool2d(input, output_size)
+    return _adaptive(input, size)
+
+
+def adaptive_avg_pool3d(input: torch.Tensor, output_size: OutputSize) -> torch.Tensor:
+    """``F.adaptive_avg_pool3d``: keeps nothing (stock: the input); 1x1x1 is stock's mean."""
+    size = _output_size(input, output_size, 3)
+    if not needs_graph(input) or size is None or size == [1, 1, 1]:
+        return F.adaptive_avg_pool3d(input, output_size)
+    return _adaptive(input, size)

@@ -1,0 +1,71 @@
+"""The ``memsave`` strategy: swaps each layer it knows for its memory-saving class, in place."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from torch import nn
+
+from torchstash.errors import OptionError
+from torchstash.plan import Swapped
+
+from .modules import FAMILIES, MIXINS, memsave_class, torch_base, why_not
+
+
+class MemSaveRewriter:
+    """Rewrites the layers of the enabled families; remembers why others were left alone."""
+
+    name = "memsave"
+
+    def __init__(self, families: frozenset[str] = frozenset(FAMILIES)) -> None:
+        unknown = families - set(FAMILIES)
+        if unknown:
+            raise OptionError(f"memsave: unknown layer families {sorted(unknown)}")
+        self.families = families
+        #: reason -> how many modules it kept as they are
+        self.skipped: Counter[str] = Counter()
+
+    def rewrite(self, module: nn.Module) -> Swapped | None:
+        base = torch_base(type(module))
+        if base is None or MIXINS[base].family not in self.families:
+            return None
+        why = why_not(module)
+        if why is not None:
+            self.skipped[why] += 1
+            return None
+        original = type(module)
+        module.__class__ = memsave_class(original)
+
+        def undo() -> None:
+            module.__class__ = original
+
+        return Swapped(module, undo)
+
+
+def memsave(
+    conv: bool = True,
+    batchnorm: bool = True,
+    layernorm: bool = True,
+    groupnorm: bool = True,
+    rmsnorm: bool = True,
+    relu: bool = True,
+    dropout: bool = True,
+    maxpool: bool = True,
+    avgpool: bool = True,
+) -> MemSaveRewriter:
+    """The ``memsave`` strategy; each flag turns one layer family off."""
+    flags = {
+        "conv": conv,
+        "batchnorm": batchnorm,
+        "layernorm": layernorm,
+        "groupnorm": groupnorm,
+        "rmsnorm": rmsnorm,
+        "relu": relu,
+        "dropout": dropout,
+        "maxpool": maxpool,
+        "avgpool": avgpool,
+    }
+    for flag, value in flags.items():
+        if not isinstance(value, bool):
+            raise OptionError(f"memsave: option {flag}={value!r} must be True or False")
+    return MemSaveRewriter(frozenset(f for f, on in flags.items() if on))

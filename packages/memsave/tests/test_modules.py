@@ -1,0 +1,179 @@
+"""The ``memsave`` strategy on whole models: exact, never above stock, in place, undoable."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchstash as ts
+from torchstash.errors import ApplyError, OptionError
+from torchstash.zoo import zoo
+from torchstash_memsave import (
+    MemSave,
+    MemSaveBatchNorm2d,
+    MemSaveConv2d,
+    MemSaveDropout,
+    MemSaveMaxPool2d,
+    MemSaveReLU,
+    convert_to_memory_saving,
+)
+from torchstash_memsave.evaluate import PATTERNS, evaluate_one
+
+ZOO = {e.name: e for e in zoo("tiny")}
+
+
+def block() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(4, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect"),
+        nn.GroupNorm(2, 8),
+        nn.LeakyReLU(0.1),
+        nn.MaxPool2d(3, 2, ceil_mode=True),
+        nn.Dropout(0.2),
+        nn.AvgPool2d(2),
+        nn.Flatten(),
+        nn.LayerNorm(128),
+        nn.ReLU6(),
+        nn.Linear(128, 3),
+    )
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("model", ["resnet", "vit"])
+def test_zoo_gradients_exact_and_bytes_at_most_stock(model: str, pattern: str) -> None:
+    try:
+        row = evaluate_one(ZOO[model], pattern, repeat=1)
+    except ValueError:
+        pytest.skip(f"{pattern} leaves nothing trainable in {model}")
+    assert row["exact"], row
+    assert row["memsave_bytes"] <= row["stock_bytes"], row
+    if model == "resnet" and pattern in ("input", "norms", "conv-bn-eval", "input-bn-eval"):
+        assert row["memsave_bytes"] < 0.8 * row["stock_bytes"], row
+
+
+def _run(model: nn.Module, x: torch.Tensor, seed: int = 0) -> tuple[torch.Tensor, list[Any]]:
+    torch.manual_seed(seed)  # dropout draws the same mask in both runs
+    model.zero_grad(set_to_none=True)
+    xs = x.clone().requires_grad_()
+    out = model(xs * 1)
+    out.square().sum().backward()
+    return out, [None if p.grad is None else p.grad.clone() for p in model.parameters()] + [xs.grad]
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_layer_family_in_one_model(channels_last: bool, dtype: torch.dtype) -> None:
+    model = block().to(dtype)
+    x = torch.randn(4, 4, 16, 16, dtype=dtype)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
+    keys = list(model.state_dict())
+    params = [id(p) for p in model.parameters()]
+    state = copy.deepcopy(model.state_dict())
+    out, grads = _run(model, x)
+    stock_stats = copy.deepcopy(model.state_dict())
+    model.load_state_dict(state)
+    with ts.apply(model, "memsave") as handle:
+        assert len(handle.rewrites) == 11  # every layer but Flatten and Linear
+        assert all(isinstance(m, MemSave) for m in list(model)[:9])
+        assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
+        out2, grads2 = _run(model, x)
+    assert torch.equal(out, out2)
+    for a, b in zip(grads, grads2, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    for k, v in model.state_dict().items():  # running statistics moved exactly as stock's
+        assert torch.equal(v, stock_stats[k]), k
+    assert not any(isinstance(m, MemSave) for m in model.modules())  # undone
+
+
+def test_subclasses_are_matched_unless_they_override_forward() -> None:
+    class MyConv(nn.Conv2d):
+        pass
+
+    class OddReLU(nn.ReLU):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    model = nn.Sequential(MyConv(3, 4, 3), OddReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    with ts.apply(model, "memsave") as handle:
+        assert type(model[0]).__name__ == "MemSaveMyConv" and isinstance(model[0], MyConv)
+        assert type(model[1]) is OddReLU
+        rewriter = handle.plan.built[0].rewriters[0]
+        assert any("overrides ReLU.forward" in why for why in rewriter.skipped)  # type: ignore[attr-defined]
+    assert type(model[0]) is MyConv
+
+
+def test_nothing_to_rewrite_and_bad_flags_are_errors() -> None:
+    with pytest.raises(ApplyError, match="found no module to rewrite"):
+        ts.apply(nn.Sequential(nn.Linear(2, 2), nn.GELU()), "memsave")
+    with pytest.raises(OptionError, match="colour"):
+        ts.apply(block(), "memsave", colour=True)
+    with pytest.raises(OptionError, match="relu='yes'"):
+        ts.apply(block(), "memsave", relu="yes")
+    lazy = nn.Sequential(nn.LazyConv2d(4, 3), nn.ReLU())
+    with ts.apply(lazy, "memsave") as handle:
+        assert len(handle.rewrites) == 1  # the ReLU; the lazy conv waits for its first forward
+
+
+def test_families_can_be_turned_off() -> None:
+    model = block()
+    with ts.apply(model, "memsave", relu=False, conv=False) as handle:
+        kinds = {type(rw.replacement).__name__ for rw in handle.rewrites}
+    assert not any("ReLU" in k or "Conv" in k for k in kinds)
+    assert "MemSaveBatchNorm2d" in kinds
+
+
+def test_convert_to_memory_saving_is_in_place_and_undoable() -> None:
+    model = block()
+    optimizer_params = list(model.parameters())
+    out = convert_to_memory_saving(model, relu=False)
+    assert out is model and list(model.parameters()) == optimizer_params
+    assert isinstance(model[0], MemSaveConv2d) and type(model[2]) is nn.ReLU
+    ts.remove(model)
+    assert type(model[0]) is nn.Conv2d
+    with pytest.raises(OptionError, match="clone_params"):
+        convert_to_memory_saving(block(), clone_params=True)
+    with pytest.raises(OptionError, match="must agree"):
+        convert_to_memory_saving(block(), conv1d=False)
+
+
+def test_from_nn_constructors_share_parameters_and_keep_arguments() -> None:
+    conv = nn.Conv2d(3, 4, 3, padding="same", padding_mode="circular", bias=False)
+    ms = MemSaveConv2d.from_nn_Conv2d(conv)
+    assert ms.weight is conv.weight and ms.padding_mode == "circular" and ms.bias is None
+    pool = nn.MaxPool2d(3, 2, ceil_mode=True)  # memsave_torch swapped these two arguments
+    mp = MemSaveMaxPool2d.from_nn_MaxPool2d(pool)
+    x = torch.randn(1, 3, 31, 31)
+    assert mp.ceil_mode and not mp.return_indices and mp(x).shape == pool(x).shape
+    bn = nn.BatchNorm2d(4, affine=False)
+    mbn = MemSaveBatchNorm2d.from_nn_BatchNorm2d(bn)
+    assert mbn.running_mean is bn.running_mean
+    drop = MemSaveDropout.from_nn_dropout(nn.Dropout(0.3))
+    assert drop.p == 0.3
+    assert isinstance(MemSaveReLU.from_nn_ReLU(nn.ReLU(inplace=True)), nn.ReLU)
+    with pytest.raises(TypeError, match="takes a Conv2d"):
+        MemSaveConv2d.from_nn_Conv2d(nn.ReLU())
+    y = ms(torch.randn(2, 3, 8, 8, requires_grad=True))
+    assert torch.equal(y, conv(torch.randn(2, 3, 8, 8)) * 0 + y)  # runs and has the shape
+
+
+def test_meta_and_half_precision() -> None:
+    model = block().to("meta")
+    with ts.apply(model, "memsave"):
+        out = model(torch.empty(2, 4, 16, 16, device="meta", requires_grad=True))
+    assert out.device.type == "meta" and out.shape == (2, 3)
+    half = block().half()
+    x = torch.randn(2, 4, 16, 16).half()
+    _, ref = _run(half, x)
+    with ts.apply(half, "memsave"):
+        _, got = _run(half, x)
+    for a, b in zip(ref, got, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
