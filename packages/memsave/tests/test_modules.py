@@ -177,3 +177,45 @@ def test_meta_and_half_precision() -> None:
         _, got = _run(half, x)
     for a, b in zip(ref, got, strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("next_trains", [True, False])
+def test_relu_mask_never_adds_to_a_tensor_the_next_layer_keeps(
+    inplace: bool, next_trains: bool
+) -> None:
+    """Conv-BN-ReLU-Conv, everything trainable: the second conv keeps the ReLU's output as it
+    is, so the ReLU's mask is dropped (no 1/32 beside it); with that conv frozen, the mask
+    is all that is kept."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(inplace=inplace),
+        nn.Conv2d(16, 16, 3, padding=1),
+    )
+    model[3].weight.requires_grad_(next_trains)
+    x = torch.randn(4, 8, 16, 16)
+    state = copy.deepcopy(model.state_dict())
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x * 1).square().sum().backward()
+
+    stock = ts.measure(model, step, "none", repeat=1, warmup=0)
+    ref = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    model.load_state_dict(state)
+    with ts.apply(model, "memsave") as handle:
+        step()
+        rows = handle.tally.rows
+        stored = handle.tally.stored_bytes
+    got = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    for a, b in zip(ref, got, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    relu_out = 4 * 16 * 16 * 16 * 4
+    if next_trains:
+        assert stored <= stock.stored_bytes
+        assert rows["2"].compressed == 0  # the mask gave way to the tensor itself
+    else:
+        assert rows["2"].compressed == 1 and rows["2"].stored_bytes == relu_out // 32
+        assert stored == stock.stored_bytes - relu_out + relu_out // 32

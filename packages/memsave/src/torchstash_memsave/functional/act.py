@@ -29,6 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from torchstash.compressor import BaseCompressor
+from torchstash.optrack import as_op, engine_active
+from torchstash.packed import Packed
+from torchstash.site import Site
+
 from ._standin import check_inplace, needs_graph, pack_keep_mask, unpack_keep_mask
 
 __all__ = [
@@ -150,10 +155,73 @@ def _apply(x: torch.Tensor, kind: str, a: float, b: float, inplace: bool) -> tor
     return out
 
 
+class ReLUMaskCodec(BaseCompressor):
+    """The engine's code for a ReLU output: 1 bit per element, decoded as 1.0 (kept) or 0.0.
+
+    Under torchstash's engine the ReLU saves its float output and asks for this code
+    (``optrack.as_op(codec=...)``) instead of packing the bits itself: when the next layer
+    saves the same tensor as it is (a conv whose weight trains), the engine drops the code and
+    both read that one tensor, so the ReLU costs nothing beside it and never more than stock.
+    ``threshold_backward(g, t, 0)`` gives the same bits for the output and for the decoded
+    ``t``, since both are above zero exactly where the gradient passes (NaN included).
+    """
+
+    name = "memsave.relu_mask"
+    lossless = True
+
+    def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
+        if not x.is_floating_point():
+            return [f"{self.name} codes float ReLU outputs, got {x.dtype}"]
+        return []
+
+    def compress(self, x: torch.Tensor, site: Site) -> Packed:
+        bits, inverse = pack_keep_mask(~(x <= 0))
+        packed = Packed.like(x, self.name, bits=bits)
+        packed.meta["order"] = inverse
+        return packed
+
+    def decompress(self, packed: Packed) -> torch.Tensor:
+        bits = packed.tensors["bits"]
+        order = packed.meta["order"]
+        assert isinstance(bits, torch.Tensor) and (order is None or isinstance(order, tuple))
+        return unpack_keep_mask(bits, tuple(packed.shape), order).to(packed.dtype)
+
+
+RELU_MASK = ReLUMaskCodec()
+
+
+class EngineCodedReLUFunction(torch.autograd.Function):
+    """ReLU that saves its float output for torchstash's engine to code (:class:`ReLUMaskCodec`)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, inplace: bool) -> torch.Tensor:
+        out = torch.relu_(x) if inplace else torch.relu(x)
+        if inplace:
+            ctx.mark_dirty(x)
+        ctx.save_for_backward(out if ctx.needs_input_grad[0] else None)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        (t,) = ctx.saved_tensors
+        return aten.threshold_backward(grad, t, 0), None
+
+
 def relu(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
-    """``F.relu`` saving a 1-bit mask (stock: the float output)."""
+    """``F.relu`` saving a 1-bit mask (stock: the float output).
+
+    Under torchstash's engine the mask is the engine's code of the output, which yields to
+    the output itself where another op saves it as is (see :class:`ReLUMaskCodec`).
+    """
     if not needs_graph(input):
         return F.relu(input, inplace)
+    if engine_active():
+        if inplace:
+            check_inplace(input)
+        with as_op("relu", (input,), func="memsave.relu", codec=RELU_MASK):
+            out: torch.Tensor = EngineCodedReLUFunction.apply(input, inplace)
+        return out
     return _apply(input, "relu", 0.0, 0.0, inplace)
 
 
