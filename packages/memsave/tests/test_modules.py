@@ -219,3 +219,20 @@ def test_relu_mask_never_adds_to_a_tensor_the_next_layer_keeps(
     else:
         assert rows["2"].compressed == 1 and rows["2"].stored_bytes == relu_out // 32
         assert stored == stock.stored_bytes - relu_out + relu_out // 32
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_sync_batch_norm_off_the_distributed_path(training: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.SyncBatchNorm(4), nn.ReLU()).train(training)
+    x = torch.randn(2, 3, 8, 8)
+    state = copy.deepcopy(model.state_dict())
+    _, ref = _run(model, x)
+    moved = copy.deepcopy(model.state_dict())
+    model.load_state_dict(state)
+    with ts.apply(model, "memsave"):
+        assert type(model[1]).__name__ == "MemSaveSyncBatchNorm"
+        _, got = _run(model, x)
+    for a, b in zip(ref, got, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in moved.items())

@@ -1,6 +1,7 @@
 """``python -m torchstash_memsave.evaluate``: the figures in the package README, measured.
 
-For each model and fine-tuning pattern, one training step stock and one under ``memsave``
+Models: memsave_torch's measured block (``block``) and the bench zoo. For each model and
+fine-tuning pattern, one training step stock and one under ``memsave``
 (exact accounting through ``torchstash.measure``; stock is counted by ``none`` on the same
 model before the rewrite), the step-time ratio (median of ``--repeat`` steps, both in this
 process), and a check that every gradient equals stock's bit for bit.
@@ -8,7 +9,7 @@ process), and a check that every gradient equals stock's bit for bit.
 Patterns (what requires grad):
   ``all``        every parameter (training from scratch)
   ``input``      only the input (every parameter frozen: adversarial or input attribution)
-  ``last``       only the last layer (linear probing)
+  ``last``       only the last linear or conv layer (linear probing)
   ``norms``      only the normalization layers' affine parameters
   ``bn-eval``    every parameter, BatchNorm in eval mode (fine-tuning with frozen statistics)
   ``conv-bn-eval`` conv weights only, BatchNorm in eval mode
@@ -46,7 +47,9 @@ def set_pattern(model: nn.Module, pattern: str) -> bool:
     for _, p in params:
         p.requires_grad_(pattern in ("all", "bn-eval"))
     if pattern == "last":
-        last = [m for m in model.modules() if isinstance(m, nn.Linear)][-1]
+        last = [m for m in model.modules() if isinstance(m, nn.Linear | nn.modules.conv._ConvNd)][
+            -1
+        ]
         for p in last.parameters():
             p.requires_grad_(True)
     if pattern == "norms":
@@ -63,6 +66,28 @@ def set_pattern(model: nn.Module, pattern: str) -> bool:
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 m.eval()
     return pattern in ("input", "input-bn-eval")
+
+
+def peers_block() -> ZooEntry:
+    """memsave_torch's measured block: Conv-BN-ReLU-Conv-BN-ReLU-MaxPool on 8x16x32x32."""
+
+    def build() -> nn.Module:
+        return nn.Sequential(
+            nn.Conv2d(16, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+
+    def batch(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(n)
+        x = torch.randn(n, 16, 32, 32, generator=g)
+        return x.to(device), torch.randint(0, 16, (n, 16, 16), generator=g).to(device)
+
+    return ZooEntry("block", build, batch, 8)
 
 
 def _step(
@@ -95,7 +120,7 @@ def evaluate_one(
     x, y = entry.batch(entry.batch_size, torch.device("cpu"))
     torch.manual_seed(0)
     model = entry.build()
-    grad_x = set_pattern(model, pattern)
+    grad_x = set_pattern(model, pattern) and x.is_floating_point()
     step = _step(entry, model, x, y, grad_x)
     if not any(p.requires_grad for p in model.parameters()) and not grad_x:
         raise ValueError(f"pattern {pattern!r} leaves nothing trainable in {entry.name}")
@@ -135,11 +160,11 @@ def evaluate_one(
 def evaluate(
     scale: str = "small",
     patterns: Sequence[str] = PATTERNS,
-    models: Sequence[str] = ("resnet", "vit", "gpt"),
+    models: Sequence[str] = ("block", "resnet", "vit", "gpt"),
     repeat: int = 5,
 ) -> list[dict[str, Any]]:
     rows = []
-    for entry in zoo(scale):
+    for entry in [peers_block(), *zoo(scale)]:
         if entry.name not in models:
             continue
         for pattern in patterns:
@@ -174,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torchstash_memsave.evaluate")
     parser.add_argument("--scale", default="small", choices=["tiny", "small", "base"])
     parser.add_argument("--patterns", default=",".join(PATTERNS))
-    parser.add_argument("--models", default="resnet,vit,gpt")
+    parser.add_argument("--models", default="block,resnet,vit,gpt")
     parser.add_argument("--repeat", type=int, default=5, help="timed steps (median)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
