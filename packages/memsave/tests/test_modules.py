@@ -236,3 +236,17 @@ def test_sync_batch_norm_off_the_distributed_path(training: bool) -> None:
     for a, b in zip(ref, got, strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in moved.items())
+
+
+def test_bench_and_demo_count_against_stocks_bytes() -> None:
+    """A rewriting strategy changes what the model saves: its ratio is against stock's."""
+    from rich.console import Console
+
+    from torchstash.bench import run_bench
+
+    rows = run_bench("tiny", ["memsave"], "cpu", repeat=1, console=Console(quiet=True))
+    resnet = {r["strategy"]: r for r in rows if r["model"] == "resnet"}
+    stock, ours = resnet["stock"], resnet["memsave"]
+    assert ours["raw_bytes"] == stock["raw_bytes"]
+    assert ours["ratio"] == pytest.approx(stock["raw_bytes"] / ours["stored_bytes"])
+    assert ours["ratio"] > 1.1

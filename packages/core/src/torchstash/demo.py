@@ -368,7 +368,11 @@ def train(setup: Setup, strategy: str | None, advance: Callable[[], None]) -> Ru
 
 
 def relate(run: RunResult, stock: RunResult) -> None:
-    """Step time and losses relative to stock's, measured in the same process."""
+    """Step time, memory and losses relative to stock's, measured in the same process (the
+    same batch at the counted step: stock's bytes are the baseline even for a strategy that
+    rewrites modules and so changes what the model saves)."""
+    if run.raw_bytes is not None and stock.raw_bytes is not None:
+        run.raw_bytes = stock.raw_bytes
     if run.step_ms is not None and stock.step_ms:
         run.time_ratio = run.step_ms / stock.step_ms
     if run.train_loss is not None and stock.train_loss:
@@ -522,7 +526,8 @@ def _reason(run: RunResult) -> str | None:
     """Why a run failed or compressed nothing: printed under the table, which stays narrow."""
     if run.error:
         return f"failed: {run.error}"
-    if compressed_nothing(run.strategy, run.compressed, run.host_bytes):
+    saved_some = (run.saved_bytes or 0) < (run.raw_bytes or 0)
+    if compressed_nothing(run.strategy, run.compressed, run.host_bytes) and not saved_some:
         return f"compressed nothing: {top_reason(run.declined)}"
     return None
 
