@@ -250,3 +250,61 @@ def test_bench_and_demo_count_against_stocks_bytes() -> None:
     assert ours["raw_bytes"] == stock["raw_bytes"]
     assert ours["ratio"] == pytest.approx(stock["raw_bytes"] / ours["stored_bytes"])
     assert ours["ratio"] > 1.1
+
+
+LAYERS: dict[str, tuple[Any, tuple[int, ...]]] = {
+    "conv1d-same-replicate": (
+        lambda: nn.Conv1d(4, 6, 4, padding="same", padding_mode="replicate"),
+        (2, 4, 11),
+    ),
+    "conv3d-groups": (lambda: nn.Conv3d(4, 6, 3, stride=2, groups=2, dilation=1), (2, 4, 7, 7, 7)),
+    "convT2d": (
+        lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2, dilation=2, output_padding=1),
+        (2, 4, 5, 5),
+    ),
+    "convT1d": (lambda: nn.ConvTranspose1d(4, 4, 3, stride=2), (2, 4, 9)),
+    "bn1d-affine-off": (lambda: nn.BatchNorm1d(4, affine=False), (8, 4, 5)),
+    "bn3d-no-stats": (lambda: nn.BatchNorm3d(4, track_running_stats=False), (2, 4, 3, 3, 3)),
+    "bn2d-momentum-none": (lambda: nn.BatchNorm2d(4, momentum=None), (2, 4, 5, 5)),
+    "rmsnorm": (lambda: nn.RMSNorm(6), (3, 5, 6)),
+    "groupnorm": (lambda: nn.GroupNorm(2, 4, affine=True), (2, 4, 5)),
+    "maxpool1d-indices": (
+        lambda: nn.MaxPool1d(3, 2, 1, dilation=2, return_indices=True),
+        (2, 4, 17),
+    ),
+    "maxpool3d-ceil": (lambda: nn.MaxPool3d(2, ceil_mode=True), (2, 3, 5, 5, 5)),
+    "avgpool3d": (lambda: nn.AvgPool3d(2, divisor_override=3), (2, 3, 4, 4, 4)),
+    "adaptive1d": (lambda: nn.AdaptiveAvgPool1d(3), (2, 3, 10)),
+    "alphadropout": (lambda: nn.AlphaDropout(0.3), (4, 64)),
+    "hardtanh": (lambda: nn.Hardtanh(-0.5, 0.7), (4, 64)),
+    "leaky-inplace": (lambda: nn.LeakyReLU(0.2, inplace=True), (4, 64)),
+}
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_each_layer_as_a_module_matches_stock(name: str, training: bool) -> None:
+    make, shape = LAYERS[name]
+    torch.manual_seed(0)
+    layer = make().train(training)
+    x = torch.randn(*shape)
+    state = copy.deepcopy(layer.state_dict())
+
+    def run() -> list[Any]:
+        torch.manual_seed(1)
+        layer.zero_grad(set_to_none=True)
+        xs = x.clone().requires_grad_()
+        out = layer(xs * 1)
+        out = out[0] if isinstance(out, tuple) else out
+        out.square().sum().backward()
+        return [out, xs.grad, *(p.grad for p in layer.parameters())]
+
+    ref = run()
+    moved = copy.deepcopy(layer.state_dict())
+    layer.load_state_dict(state)
+    with ts.apply(layer, "memsave") as handle:
+        assert len(handle.rewrites) == 1 and isinstance(layer, MemSave)  # the model itself
+        got = run()
+    for a, b in zip(ref, got, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert all(torch.equal(v, layer.state_dict()[k]) for k, v in moved.items())
