@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 from typing import Any
 
 import pytest
@@ -308,3 +309,18 @@ def test_each_layer_as_a_module_matches_stock(name: str, training: bool) -> None
     for a, b in zip(ref, got, strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
     assert all(torch.equal(v, layer.state_dict()[k]) for k, v in moved.items())
+
+
+def test_demo_reports_rewrites_that_saved_nothing(tmp_path: Any) -> None:
+    from rich.console import Console
+
+    from torchstash import demo
+
+    console = Console(record=True, width=120, file=io.StringIO())
+    result = demo.run_demo(
+        steps=2, out_dir=tmp_path, strategies=["memsave"], quick=True, console=console
+    )
+    run = result.run("memsave")
+    assert run.error is None and run.rewritten > 0
+    assert run.losses == result.stock.losses  # exact
+    assert "rewrote" in console.export_text()

@@ -207,6 +207,7 @@ class RunResult:
     delta_val_pct: float | None = None
     wall_s: float = 0.0
     error: str | None = None
+    rewritten: int = 0  # modules the strategy rewrote (memsave's layers)
 
     @property
     def train_loss(self) -> float | None:
@@ -354,6 +355,7 @@ def train(setup: Setup, strategy: str | None, advance: Callable[[], None]) -> Ru
             advance()
             done += 1
         _tally_into(run, handle.tally if handle is not None else stock_tally(model, x, y))
+        run.rewritten = len(handle.rewrites) if handle is not None else 0
         run.val_loss = evaluate(model, setup.corpus.val, setup.val, cfg)
         run.step_ms = statistics.median(times[cfg.timing_skip :] or times) * 1e3
     except Exception as e:  # one strategy's failure must not stop the others
@@ -528,6 +530,8 @@ def _reason(run: RunResult) -> str | None:
         return f"failed: {run.error}"
     saved_some = (run.saved_bytes or 0) < (run.raw_bytes or 0)
     if compressed_nothing(run.strategy, run.compressed, run.host_bytes) and not saved_some:
+        if run.rewritten:
+            return f"rewrote {plural(run.rewritten, 'module')}, which keep what stock keeps here"
         return f"compressed nothing: {top_reason(run.declined)}"
     return None
 
