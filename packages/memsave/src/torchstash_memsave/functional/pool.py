@@ -76,6 +76,27 @@ def _starts(
     return starts
 
 
+def _window_offsets(
+    in_sizes: Sequence[int], kernel: Sequence[int], dilation: Sequence[int]
+) -> list[int]:
+    """Flat-plane offset of each in-window position (row-major over the window)."""
+    plane = [math.prod(in_sizes[i + 1 :]) for i in range(len(in_sizes))]
+    offsets = [0]
+    for i in range(len(kernel)):
+        offsets = [o + j * dilation[i] * plane[i] for o in offsets for j in range(kernel[i])]
+    return offsets
+
+
+def _window_base(in_sizes: Sequence[int], starts: list[torch.Tensor]) -> torch.Tensor:
+    """Flat-plane index of each window's first position (broadcast over the outputs)."""
+    base: torch.Tensor | None = None
+    for i, start in enumerate(starts):
+        term = start * math.prod(in_sizes[i + 1 :])
+        base = term if base is None else base + term
+    assert base is not None
+    return base
+
+
 def _encode(
     indices: torch.Tensor,
     in_sizes: Sequence[int],
@@ -83,17 +104,20 @@ def _encode(
     kernel: Sequence[int],
     dilation: Sequence[int],
 ) -> torch.Tensor:
-    """Flat spatial indices -> row-major positions inside their windows."""
-    rest, code = indices, None
-    scale = 1
-    for i in reversed(range(len(kernel))):
-        position = rest % in_sizes[i]
-        rest = rest // in_sizes[i]
-        local = (position - starts[i]) // dilation[i] * scale
-        code = local if code is None else code + local
-        scale *= kernel[i]
-    assert code is not None
-    return code
+    """Flat spatial indices -> row-major positions inside their windows.
+
+    An index minus its window's first position is one of the window's offsets; a table from
+    offset to position replaces per-element division (one subtraction and one gather).
+    """
+    offsets = _window_offsets(in_sizes, kernel, dilation)
+    low = min(offsets)
+    dtype = torch.uint8 if len(offsets) <= 256 else torch.int16
+    device = indices.device
+    table = torch.zeros(max(offsets) - low + 1, dtype=dtype, device=device)
+    table[torch.tensor([o - low for o in offsets], device=device)] = torch.arange(
+        len(offsets), dtype=dtype, device=device
+    )
+    return table[indices - _window_base(in_sizes, starts) - low]
 
 
 def _decode(
@@ -103,15 +127,10 @@ def _decode(
     kernel: Sequence[int],
     dilation: Sequence[int],
 ) -> torch.Tensor:
-    """Row-major positions inside windows -> flat spatial indices (int64)."""
-    code = code.long()
-    index: torch.Tensor | None = None
-    for i in range(len(kernel)):
-        local = code // math.prod(kernel[i + 1 :]) % kernel[i]
-        position = starts[i] + local * dilation[i]
-        index = position if index is None else index * in_sizes[i] + position
-    assert index is not None
-    return index
+    """Row-major positions inside windows -> flat spatial indices (int64): the window's first
+    position plus the position's offset, looked up."""
+    offsets = torch.tensor(_window_offsets(in_sizes, kernel, dilation), device=code.device)
+    return _window_base(in_sizes, starts) + offsets[code.long()]
 
 
 class MaxPoolFunction(torch.autograd.Function):
