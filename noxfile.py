@@ -15,9 +15,11 @@ nox.needs_version = ">=2024.3.2"
 nox.options.default_venv_backend = "virtualenv"
 nox.options.reuse_existing_virtualenvs = False
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["lint", "typecheck", "tests", "integration", "kernels"]
+nox.options.sessions = ["lint", "typecheck", "tests", "integration", "ecosystem", "kernels"]
 
 TORCH = os.environ.get("TORCHSTASH_TORCH", "torch==2.13.0")
+# torchvision pins torch exactly: the release built for TORCH, so pip keeps the wheel it has.
+TORCHVISION = os.environ.get("TORCHSTASH_TORCHVISION", "torchvision==0.28.0")
 PLUGINS = ["quant", "dropit", "memsave"]
 TEST_DEPS = ["pytest>=8", "numpy"]
 SRC_DIRS = ["packages/core/src", *(f"packages/{p}/src" for p in PLUGINS)]
@@ -29,7 +31,7 @@ def _install(session: nox.Session, *packages: str, extras: str = "") -> None:
     paths = [f"./packages/{p}" for p in packages]
     if extras:
         paths[0] = f"{paths[0]}[{extras}]"
-    session.install(*paths, *TEST_DEPS)
+    session.install(TORCH, *paths, *TEST_DEPS)  # TORCH again: no dependency may swap it
 
 
 def _pytest(session: nox.Session, *paths: str) -> None:
@@ -62,6 +64,14 @@ def integration(session: nox.Session) -> None:
     """Every package installed together: real discovery, registry-wide contract, training."""
     _install(session, "core", *PLUGINS)
     _pytest(session, "tests")
+
+
+@nox.session
+def ecosystem(session: nox.Session) -> None:
+    """Models and trainers users bring: transformers, timm, torchvision, Lightning, HF Trainer."""
+    _install(session, "core", *PLUGINS, extras="lightning,hf")
+    session.install(TORCH, TORCHVISION, "timm")
+    _pytest(session, "tests/ecosystem")
 
 
 @nox.session
