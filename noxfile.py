@@ -71,6 +71,18 @@ def ecosystem(session: nox.Session) -> None:
     """Models and trainers users bring: transformers, timm, torchvision, Lightning, HF Trainer."""
     _install(session, "core", *PLUGINS, extras="lightning,hf")
     session.install(TORCH, TORCHVISION, "timm")
+    # PyPI's torchvision is built against CUDA torch: beside the CPU wheel its ops library does
+    # not load and `import torchvision` raises a RuntimeError, which breaks transformers and
+    # timm too (they import it whenever it is installed). The CPU build is on PyTorch's own
+    # index only (PIP_EXTRA_INDEX_URL plus TORCHSTASH_TORCHVISION=torchvision==X+cpu). Without
+    # a torchvision that loads, it and timm (which needs it) leave; their tests skip.
+    probe = "try:\n import torchvision\n print('vision-ok')\nexcept Exception as e:\n print(e)"
+    out = session.run_install("python", "-c", probe, silent=True)
+    if isinstance(out, str) and "vision-ok" not in out:
+        session.warn(
+            f"torchvision does not load with this torch ({out.strip()}): removed with timm"
+        )
+        session.run_install("python", "-m", "pip", "uninstall", "-y", "torchvision", "timm")
     _pytest(session, "tests/ecosystem")
 
 
