@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .compressor import Compressor
-from .errors import CompressionError
+from .errors import CompressionError, KernelUnavailable
 from .optrack import STATE as OP_STATE
 from .optrack import OpTracker, role_of
 from .packed import Packed, raw_nbytes, storage_base
@@ -29,6 +29,15 @@ Resolver = Callable[[Site, frozenset[str]], "Compressor | None"]
 
 #: Tensors smaller than this are stored as they are: compressing them saves nothing worth a kernel.
 DEFAULT_MIN_BYTES = 1024
+
+#: Errors a compressor raises that keep their type (a note is added): users catch these by type
+#: (an out-of-memory back-off, ``TORCHSTASH_KERNELS=require``); anything else is wrapped in a
+#: :class:`CompressionError` that names the strategy, the compressor, the module and the tensor.
+KEEP_TYPE: tuple[type[BaseException], ...] = (
+    torch.OutOfMemoryError,
+    MemoryError,
+    KernelUnavailable,
+)
 
 
 @dataclass(frozen=True)
@@ -98,6 +107,7 @@ class _Entry:
     __slots__ = (
         "__weakref__",
         "compressor",
+        "graph",
         "site",
         "source",
         "value",
@@ -122,6 +132,41 @@ class _Entry:
         self.source: Callable[[], torch.Tensor | None] = (
             weakref.ref(source) if source is not None else lambda: None
         )
+        #: the forward pass that stored it (None when shared with another pass)
+        self.graph: _Graph | None = None
+
+
+#: What a released entry holds: its backward failed, and its memory went back.
+_RELEASED = torch.empty(0)
+
+
+class _Graph:
+    """The entries one forward pass stored, held weakly (the autograd graph owns them).
+
+    When an error escapes an unpack hook the backward through that graph cannot finish; the
+    entries are released at once, so an out-of-memory back-off gets the memory back even while
+    the failed graph (``loss``) is still referenced.
+    """
+
+    __slots__ = ("entries",)
+
+    def __init__(self) -> None:
+        self.entries: list[weakref.ref[_Entry]] = []
+
+    def release(self) -> tuple[int, int]:
+        """Drop every entry's payload; returns (tensors, bytes) released."""
+        count = nbytes = 0
+        for ref in self.entries:
+            entry = ref()
+            if entry is None or entry.graph is not self or entry.value is _RELEASED:
+                continue
+            value = entry.value
+            nbytes += value.nbytes() if isinstance(value, Packed) else raw_nbytes(value)
+            count += 1
+            entry.value = _RELEASED
+            entry.source = lambda: None  # never shared again
+        self.entries.clear()
+        return count, nbytes
 
 
 class _Saved:
@@ -151,6 +196,7 @@ class _ThreadState(threading.local):
         self.op_counts: Counter[str] = Counter()
         self.last_call = -1
         self.ordinal = 0
+        self.graph: _Graph | None = None  # the forward pass now storing
 
 
 class Engine:
@@ -190,6 +236,7 @@ class Engine:
         if tls.active == 0:
             tls.calls.clear()
             tls.op_counts.clear()
+            tls.graph = _Graph()
             self._skip = self._skip_ptrs() if self._skip_ptrs else set()
         tls.active += 1
         stack.callback(self._deactivate)
@@ -304,10 +351,16 @@ class Engine:
                 )
             ):
                 row.shared += 1
+                if hit.graph is not self._tls.graph:
+                    hit.graph = None  # two passes hold it: a failed backward must not drop it
                 shape = tuple(t.shape)  # the stored value (tensor or Packed) has its shape
                 return _Saved(hit, None if shape == tuple(hit.value.shape) else shape)
         entry = self._store(t, site, row, nbytes, compressor, reason)
         entry.variant = variant
+        graph = self._tls.graph
+        if graph is not None:
+            entry.graph = graph
+            graph.entries.append(weakref.ref(entry))
         if key is not None:
             self._remember(key, entry)
         return _Saved(entry)
@@ -372,11 +425,17 @@ class Engine:
         if compressor is not None:
             try:
                 out = compressor.compress(t.detach(), site)
+            except KEEP_TYPE as e:
+                e.add_note(
+                    f"torchstash: raised in forward by {self._who(compressor)} compressing the "
+                    f"{_tensor(site, t.shape, t.dtype)}; {_FORWARD_STATE}"
+                )
+                raise
             except Exception as e:
                 raise CompressionError(
-                    f"{compressor.name} failed to compress the {tuple(t.shape)} {t.dtype} "
-                    f"tensor ({site.describe()}): {e}. Exclude this site with a policy rule "
-                    f"(strategy = 'none') or report the bug."
+                    f"{self._who(compressor)} failed to compress the "
+                    f"{_tensor(site, t.shape, t.dtype)}: {type(e).__name__}: {e}. "
+                    f"It was raised in forward: {_FORWARD_STATE}. {self._advice(compressor, site)}"
                 ) from e
             if isinstance(out, Packed):
                 value = out
@@ -408,8 +467,14 @@ class Engine:
     def _unpack(self, saved: _Saved) -> torch.Tensor:
         entry = saved.entry
         value = entry.value
+        if value is _RELEASED:
+            raise CompressionError(
+                f"the {_tensor(entry.site, (), None)} was released when an earlier backward "
+                "through this graph raised; run the forward pass again"
+            )
         if isinstance(value, torch.Tensor):
             if value._version != entry.version:
+                self._release(entry)
                 raise RuntimeError(
                     "one of the variables needed for gradient computation has been modified by "
                     f"an inplace operation: the {tuple(value.shape)} {value.dtype} tensor "
@@ -417,14 +482,76 @@ class Engine:
                     f"{entry.version} instead. Avoid the in-place op or clone before it."
                 )
             return value
-        assert entry.compressor is not None
+        compressor = entry.compressor
+        assert compressor is not None
         try:
-            return entry.compressor.decompress(value)
+            return compressor.decompress(value)
+        except KEEP_TYPE as e:
+            released = self._release(entry)
+            e.add_note(
+                f"torchstash: raised in backward by {self._who(compressor)} restoring the "
+                f"{_tensor(entry.site, value.shape, value.dtype)}; {released}; {_BACKWARD_STATE}"
+            )
+            raise
         except Exception as e:
+            released = self._release(entry)
             raise CompressionError(
-                f"{entry.compressor.name} failed to restore the {tuple(value.shape)} "
-                f"{value.dtype} tensor ({entry.site.describe()}): {e}"
+                f"{self._who(compressor)} failed to restore the "
+                f"{_tensor(entry.site, value.shape, value.dtype)}: {type(e).__name__}: {e}. "
+                f"It was raised in backward: {_BACKWARD_STATE}; {released}. "
+                f"{self._advice(compressor, entry.site)}"
             ) from e
+
+    # -- faults -------------------------------------------------------------------------------
+
+    def _release(self, entry: _Entry) -> str:
+        """Release what the failing entry's forward pass stored; says what went back."""
+        graph = entry.graph
+        count, nbytes = graph.release() if graph is not None else (0, 0)
+        return (
+            f"torchstash released the {count} tensors ({nbytes / 2**20:.2f} MiB) that forward "
+            "pass stored, so a following backward through the same graph raises"
+        )
+
+    def _strategy(self, compressor: Compressor) -> str | None:
+        """The policy strategy that built ``compressor`` (None for an op's own codec).
+
+        ``apply`` and ``stash`` resolve with a :class:`~torchstash.plan.Plan`'s bound method;
+        its ``built`` rules name the strategy behind each compressor.
+        """
+        plan = getattr(self.resolve, "__self__", None)
+        for built in getattr(plan, "built", {}).values():
+            if getattr(built, "compressor", None) is compressor:
+                return str(built.name)
+        return None
+
+    def _who(self, compressor: Compressor) -> str:
+        """``strategy 'a' (compressor 'b', module.Class, from dist 1.0)``."""
+        cls = type(compressor)
+        parts = [f"compressor {compressor.name!r}", f"{cls.__module__}.{cls.__qualname__}"]
+        strategy = self._strategy(compressor)
+        provider = _providers(strategy) if strategy else ""
+        if provider:
+            parts.append(f"from {provider}")
+        head = f"strategy {strategy!r}" if strategy else "the op's own codec"
+        return f"{head} ({', '.join(parts)})"
+
+    def _advice(self, compressor: Compressor, site: Site) -> str:
+        """What to do: a policy rule that leaves the site out, and whom to tell."""
+        if site.module:
+            rule: dict[str, str] = {"module": site.module, "strategy": "none"}
+            what = f"module {site.module!r}"
+        else:
+            rule = {"op": site.op, "role": site.role, "strategy": "none"}
+            what = "that tensor"
+        strategy = self._strategy(compressor)
+        provider = (_providers(strategy) if strategy else "") or (
+            f"the maintainers of {type(compressor).__module__}"
+        )
+        return (
+            f"To train on, leave {what} out with the policy rule {rule!r} placed last, "
+            f"or report this to {provider}"
+        )
 
 
 def _dedupe_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -445,3 +572,34 @@ def _variant(compressor: Compressor | None, t: torch.Tensor, site: Site) -> str:
 
 def _leave_tracker() -> None:
     OP_STATE.depth -= 1
+
+
+_FORWARD_STATE = "the parameters, gradients and optimizer state are as they were"
+_BACKWARD_STATE = (
+    "the parameters and optimizer state are as they were, but gradients may be partly "
+    "accumulated: zero them (optimizer.zero_grad()) before the next step"
+)
+
+
+def _tensor(site: Site, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype | None) -> str:
+    """``(4, 16) torch.float32 tensor linear.input saved in module 'fc' (Linear)``."""
+    what = f"{tuple(shape)} {dtype} tensor" if dtype is not None else "tensor"
+    where = f"module {site.module!r}" if site.module else "<top level>"
+    op = f"{site.op}.{site.role}" if site.op else (site.role or "tensor")
+    return f"{what} {op} saved in {where} ({site.module_type or 'no module'})"
+
+
+def _providers(strategy: str) -> str:
+    """The distributions (with versions) that registered each part of ``strategy``."""
+    from .registry import IN_PROCESS, REGISTRY
+
+    found: list[str] = []
+    for part in strategy.split(">"):
+        try:
+            spec = REGISTRY.get(part.strip())
+        except Exception:  # not in the global registry (a Plan built on another): say nothing
+            continue
+        who = f"{spec.distribution} {spec.version}".strip()
+        if spec.distribution != IN_PROCESS and who not in found:
+            found.append(who)
+    return " and ".join(found)

@@ -4,8 +4,10 @@ In the style of stylegan3's ``custom_ops`` and DeepSpeed's op builder: the libra
 built with ``torch.utils.cpp_extension.load`` into a cache directory keyed by a digest
 of the sources, torch, Python and the cpu/cuda variant, so a rebuild happens only
 when one of those changes. ``TORCHSTASH_KERNELS`` picks what a failure means:
-``auto`` warns once and falls back to the pure-PyTorch reference, ``off`` never
-builds, ``require`` raises :class:`~torchstash.errors.KernelUnavailable`.
+``auto`` warns once and falls back to the pure-PyTorch reference for the rest of the
+process, ``off`` never builds, ``require`` raises :class:`~torchstash.errors.KernelUnavailable`
+and forgets the failure (the next call tries again). An exception anywhere in the build
+(not only the compiler's) counts as a failed build.
 Nothing here prints or touches ``os.environ``; ``status()`` is for ``torchstash doctor``.
 """
 
@@ -271,8 +273,34 @@ def _ensure_built() -> _Outcome:
     global _outcome
     with _lock:
         if _outcome is None:
-            _outcome = _build()
+            try:
+                _outcome = _build()
+            except Exception as exc:  # outside cpp_extension.load: hashing, guards, registering
+                # A failure anywhere in the build is a failed build, not a crash of the caller
+                # (a compressor in the middle of a forward pass): auto falls back, require raises.
+                first_line = (str(exc).strip().splitlines() or [""])[0]
+                _outcome = _Outcome(
+                    reasons=[f"build failed: {type(exc).__name__}: {first_line}".rstrip(": ")],
+                    error=f"{type(exc).__name__}: {exc}",
+                    cause=exc,
+                )
         return _outcome
+
+
+def _forget_failure() -> None:
+    """Under ``require`` a failure raises instead of being memoized: the caller may fix the
+    cause (a cache directory, a compiler) and retry in the same process."""
+    global _outcome
+    with _lock:
+        if _outcome is not None and not _outcome.built:
+            _outcome = None
+
+
+_REQUIRE_ADVICE = (
+    f"Run `torchstash doctor` for details, fix the cause and retry (a failure under "
+    f"{env.KERNELS}=require is not memoized), or unset {env.KERNELS} to fall back to the "
+    "pure-PyTorch reference with a warning"
+)
 
 
 def _message(reasons: list[str]) -> str:
@@ -293,9 +321,10 @@ def load() -> bool:
     if outcome.built:
         return True
     if current == "require":
+        _forget_failure()
         raise KernelUnavailable(
             f"compiled kernels required ({env.KERNELS}=require) but unavailable: "
-            f"{_message(outcome.reasons)}. Run `torchstash doctor` for details"
+            f"{_message(outcome.reasons)}. {_REQUIRE_ADVICE}"
         ) from outcome.cause
     with _lock:
         if not _warned:
@@ -338,9 +367,13 @@ def require(device: torch.device | str = "cpu") -> None:
         )
     outcome = _ensure_built()
     if not outcome.built:
+        if mode() == "require":
+            _forget_failure()
+            advice = _REQUIRE_ADVICE
+        else:
+            advice = "Run `torchstash doctor` for details, or use impl='ref'"
         raise KernelUnavailable(
-            f"compiled kernels unavailable: {_message(outcome.reasons)}. "
-            "Run `torchstash doctor` for details, or use impl='ref'"
+            f"compiled kernels unavailable: {_message(outcome.reasons)}. {advice}"
         ) from outcome.cause
     reason = _device_reason(device)
     if reason is not None:
