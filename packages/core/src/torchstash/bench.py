@@ -379,7 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated strategy names (default: every installed strategy)",
     )
     p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
-    p.add_argument("--repeat", type=int, default=3, help="timed steps per run (default: 3)")
+    p.add_argument(
+        "--repeat", type=int, default=None, help="timed steps per run (default: 3; --compare: 5)"
+    )
     p.add_argument(
         "--threads", type=int, default=None, help="CPU threads (default: all cores but one, <= 4)"
     )
@@ -389,12 +391,34 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="also write the rows as JSON to PATH; '-' prints JSON to stdout instead of the table",
     )
+    c = p.add_argument_group(
+        "--compare", "torchstash against checkpointing, SAC, save_on_cpu and torch.compile"
+    )
+    c.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run the alternatives and the demo task (--strategies may name them too)",
+    )
+    c.add_argument("--models", type=split_names, default=None, help="e.g. gpt,vit (default: all)")
+    c.add_argument(
+        "--demo-steps", type=int, default=300, help="demo training steps; 0 skips (default: 300)"
+    )
+    c.add_argument("--budget", type=float, default=0.5, help="compile's activation_memory_budget")
+    c.add_argument("--plot", metavar="PNG", default=None, help="write the Pareto plot to PNG")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``torchstash bench``: progress and table on the terminal, or JSON with ``--json``."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.compare:
+        from . import compare
+
+        return compare.main(args)
+    if args.models or args.plot:
+        parser.error("--models and --plot need --compare")
+    args.repeat = args.repeat or 3
     to_stdout = args.json == "-"
     console = Console(stderr=True, highlight=False) if to_stdout else Console(highlight=False)
     dev = torch.device(args.device) if args.device else default_device()
