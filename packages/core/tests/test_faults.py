@@ -258,6 +258,29 @@ def test_decompress_error_in_backward(faulty: str) -> None:
     assert_removed(t.model)
 
 
+def test_a_tensor_two_forward_passes_share_survives_one_failed_backward(faulty: str) -> None:
+    """Only what the failing pass alone stored is released: another graph keeps working."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+    twin = copy.deepcopy(model)
+    x = torch.randn(64, 32)  # both passes save it: stored once, shared
+    handle = ts.apply(model, faulty, fail_in="decompress")
+    first = model(x).sum()
+    second = model(x).square().sum()
+    assert sum(r.shared for r in handle.tally.rows.values()) >= 1
+    codec = codec_of(handle)
+    codec.armed = True
+    with pytest.raises(CompressionError):
+        first.backward()  # the pass that stored the shared input fails
+    codec.armed = False
+    model.zero_grad(set_to_none=True)
+    second.backward()  # the second graph, the shared input included, is whole
+    twin(x).square().sum().backward()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    handle.remove()
+
+
 def test_a_fault_inside_a_stash_block(faulty: str) -> None:
     model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
     block = ts.stash(faulty)
