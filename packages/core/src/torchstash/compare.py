@@ -23,11 +23,19 @@ its saved op outputs in its own cache rather than through autograd, so that cach
 For save_on_cpu the count is what its hook keeps and where (bytes on the host are not device
 bytes). A torchstash strategy installs hooks of its own inside the model: its rows take the
 tally's stored bytes (exact; what it offloaded to the host apart) plus anything the outer hook
-still saw. For stock the hook count equals the ``none`` strategy's tally but for the slack of
-the input batch's storage (the tokens are a view of a longer tensor).
+still saw. The tally counts a saved view at its own size where the hook counts the storage it
+keeps alive, so on stock the two differ by the views: the token batch (a view of a longer
+tensor) and the ViT's class token (a view of the last block's output), 0.5 MB of 37 MB on the
+small ViT. Each row's share of stock's is therefore taken against stock counted its way: the
+hook's count for the alternatives, the tally of the ``none`` strategy (in the same stock run)
+for torchstash's rows.
 
-Step time is the median of ``repeat`` forward-backward steps after one warm-up step (so the
-compile time is left out), as a ratio to stock's in the same run. The demo trains the demo's
+On CUDA, "peak MB" is the counted step's peak allocation (``torch.cuda.max_memory_allocated``)
+above what was allocated before it: the step's activations, gradients and temporaries, not the
+models (the methods of one model are alive side by side, see :class:`Trial`).
+
+Step time is the median of ``repeat`` forward-backward steps after warm-up (so the compile
+time is left out), the methods of one model taking turns step by step, as a ratio to stock's. The demo trains the demo's
 char-level GPT with each method (same weights, same batches) and reports the final loss.
 """
 
@@ -292,7 +300,11 @@ class Compiled(Attached):
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(functorch_config.patch(activation_memory_budget=budget))
         torch._dynamo.reset()
-        self.compiled = torch.compile(model)
+        try:
+            self.compiled = torch.compile(model)
+        except BaseException:
+            self.close()
+            raise
 
     def call(self, x: Tensor) -> Tensor:
         return cast(Tensor, self.compiled(x))
@@ -409,6 +421,7 @@ def _row(entry: ZooEntry, method: Method, device: torch.device) -> dict[str, Any
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "batch_size": entry.batch_size,
         "saved_bytes": None,
+        "tally_bytes": None,
         "host_bytes": None,
         "saved_mb": None,
         "host_mb": None,
@@ -425,57 +438,130 @@ def _row(entry: ZooEntry, method: Method, device: torch.device) -> dict[str, Any
     }
 
 
-def measure_method(
-    entry: ZooEntry, method: Method, device: torch.device, repeat: int
-) -> tuple[dict[str, Any], list[Tensor | None] | None]:
-    """One row, and the gradients of its counted step; a failure becomes the row's ``error``.
+class Trial:
+    """One method on a fresh seeded model of one zoo entry, measured in two parts.
 
-    A fresh seeded model; one warm-up step (compilation happens there); one counted step
-    (held bytes, CUDA peak, gradients); then ``repeat`` timed steps without the counter.
+    On creation: one warm-up step (compilation happens there), then one counted step (held
+    bytes, CUDA peak, gradients). Then :meth:`step` times one step at a time, so the methods
+    of one model can take turns: on a shared machine every method sees the same ups and downs
+    of load, which one method's steps in a row would not. A failure at any point becomes the
+    row's ``error`` and ends the trial.
     """
-    row = _row(entry, method, device)
-    grads: list[Tensor | None] | None = None
-    try:
+
+    def __init__(self, entry: ZooEntry, method: Method, device: torch.device) -> None:
+        self.entry, self.method, self.device = entry, method, device
+        self.row = _row(entry, method, device)
+        self.grads: list[Tensor | None] | None = None
+        self.times: list[float] = []
+        self.att: Attached | None = None
+        try:
+            self._start()
+        except Exception as e:  # one method's failure must not stop the others
+            self.fail(e)
+
+    def _start(self) -> None:
+        entry, dev = self.entry, self.device
         torch.manual_seed(SEED)
-        model = entry.build().to(device)
-        x, y = entry.batch(entry.batch_size, device)
-        with method.attach(model) as att:
-
-            def step() -> None:
-                model.zero_grad(set_to_none=True)
-                _loss(entry, att.forward, x, y).backward()
-
-            step()  # warm-up
-            model.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-            counter = HeldCounter(model, device)
-            loss = _loss(entry, functools.partial(att.forward, counter=counter), x, y)
-            held, host = att.held(counter)
-            loss.backward()
-            del loss
-            if device.type == "cuda":
-                row["cuda_peak_mb"] = torch.cuda.max_memory_allocated(device) / MB
-            grads = _grads(model)
-            times = time_steps(step, device, warmup=1, repeat=repeat)
-        row.update(
+        model = entry.build().to(dev)
+        self.x, self.y = entry.batch(entry.batch_size, dev)
+        if self.method.family == "stock":  # the baseline of torchstash's rows, counted its way
+            with apply(model, "none") as handle:
+                _loss(entry, model, self.x, self.y)
+                self.row["tally_bytes"] = handle.tally.stored_bytes
+        self.model = model
+        self.att = att = self.method.attach(model)
+        self._run()  # warm-up
+        model.zero_grad(set_to_none=True)
+        base = 0
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+        counter = HeldCounter(model, dev)
+        loss = _loss(entry, functools.partial(att.forward, counter=counter), self.x, self.y)
+        held, host = att.held(counter)
+        loss.backward()
+        del loss
+        if dev.type == "cuda":
+            self.row["cuda_peak_mb"] = (torch.cuda.max_memory_allocated(dev) - base) / MB
+        self.grads = _grads(self.model)
+        self.row.update(
             saved_bytes=held,
             host_bytes=host,
             saved_mb=held / MB,
             host_mb=host / MB,
-            step_times_ms=[t * 1e3 for t in times],
-            step_ms=statistics.median(times) * 1e3,
             compressed=att.info.get("compressed"),
             declined=att.info.get("declined"),
             rewritten=att.info.get("rewritten"),
         )
-    except Exception as e:  # one method's failure must not stop the others
-        row["error"] = _reason(e)
-    finally:
-        if device.type == "cuda":
+
+    def _run(self) -> None:
+        assert self.att is not None
+        self.model.zero_grad(set_to_none=True)
+        _loss(self.entry, self.att.forward, self.x, self.y).backward()
+
+    @property
+    def alive(self) -> bool:
+        return self.att is not None
+
+    def step(self, timed: bool = True) -> None:
+        """One forward and backward; its time kept when ``timed``."""
+        if self.att is None:
+            return
+        try:
+            self.times += time_steps(self._run, self.device, warmup=0, repeat=1) if timed else []
+            if not timed:
+                self._run()
+        except Exception as e:
+            self.fail(e)
+
+    def fail(self, e: BaseException) -> None:
+        self.row["error"] = _reason(e)
+        self.close()
+
+    def close(self) -> dict[str, Any]:
+        """Undo the method; the row, with the median step time if it got that far."""
+        if self.att is not None:
+            self.att.close()
+            self.att = None
+        if self.times and self.row["error"] is None:
+            self.row["step_times_ms"] = [t * 1e3 for t in self.times]
+            self.row["step_ms"] = statistics.median(self.times) * 1e3
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
-    return row, grads
+        return self.row
+
+
+def measure_methods(
+    entry: ZooEntry,
+    todo: Sequence[Method],
+    device: torch.device,
+    repeat: int,
+    advance: Callable[[str], None] = lambda name: None,
+) -> list[Trial]:
+    """Every method on ``entry``: counted one after another (stock first, compilation last),
+    then timed in turns: an untimed round, then ``repeat`` timed rounds."""
+    trials: dict[str, Trial] = {}
+    for method in _measuring_order(todo):
+        advance(method.name)
+        trials[method.name] = Trial(entry, method, device)
+    ordered = [trials[m.name] for m in todo]
+    try:
+        for r in range(repeat + 1):
+            for trial in ordered:
+                trial.step(timed=r > 0)
+    finally:
+        for trial in ordered:
+            trial.close()
+    return ordered
+
+
+def measure_method(
+    entry: ZooEntry, method: Method, device: torch.device, repeat: int
+) -> tuple[dict[str, Any], list[Tensor | None] | None]:
+    """One method alone: its row and the gradients of its counted step."""
+    (trial,) = measure_methods(entry, [method], device, repeat)
+    return trial.row, trial.grads
 
 
 def _reason(e: BaseException) -> str:
@@ -488,8 +574,9 @@ def _reason(e: BaseException) -> str:
 def _relate(row: dict[str, Any], stock: dict[str, Any]) -> None:
     if row["step_ms"] is not None and stock["step_ms"]:
         row["time_ratio"] = row["step_ms"] / stock["step_ms"]
-    if row["saved_bytes"] is not None and stock["saved_bytes"]:
-        row["vs_stock"] = row["saved_bytes"] / stock["saved_bytes"]
+    base = stock["tally_bytes"] if row["family"] == "torchstash" else stock["saved_bytes"]
+    if row["saved_bytes"] is not None and base:
+        row["vs_stock"] = row["saved_bytes"] / base
 
 
 # -- the demo task --------------------------------------------------------------------------
@@ -614,20 +701,18 @@ def run_compare(
     with num_threads(n_threads), progress_bar(console) as bar:
         task = bar.add_task("compare", total=len(entries) * len(todo))
         for entry in entries:
-            stock_grads: list[Tensor | None] | None = None
-            stock: dict[str, Any] | None = None
-            done: dict[str, dict[str, Any]] = {}
-            for method in _measuring_order(todo):
-                bar.update(task, description=f"{entry.name}: {escape(method.name)}")
-                row, grads = measure_method(entry, method, dev, repeat)
-                if stock is None:
-                    stock, stock_grads = row, grads
-                _relate(row, stock)
-                if grads is not None and stock_grads is not None:
-                    row["grad_error"] = grad_error(grads, stock_grads)
-                done[method.name] = row
+
+            def advance(name: str, model: str = entry.name) -> None:
+                bar.update(task, description=f"{model}: {escape(name)}")
                 bar.advance(task)
-            rows += [done[m.name] for m in todo]
+
+            trials = measure_methods(entry, todo, dev, repeat, advance)
+            stock = trials[0]
+            for trial in trials:
+                _relate(trial.row, stock.row)
+                if trial.grads is not None and stock.grads is not None:
+                    trial.row["grad_error"] = grad_error(trial.grads, stock.grads)
+                rows.append(trial.row)
         if demo_steps:
             demo_task = DemoTask.load(cfg, demo_steps, seed, dev)
             task = bar.add_task("demo", total=demo_steps * len(todo))
@@ -655,8 +740,7 @@ def run_compare(
 
 
 def _measuring_order(todo: Sequence[Method]) -> list[Method]:
-    """Stock first and compilation last: a compile leaves worker processes and caches
-    behind that should not share the machine with the eager methods' timed steps."""
+    """Stock first (the baseline), compilation last (the slowest to start)."""
     return sorted(todo, key=lambda m: (m.name != STOCK, m.name == COMPILE))
 
 

@@ -1,0 +1,240 @@
+"""``torchstash bench --compare`` at tiny scale: every method's row is sane, the memory count
+sees what each method really keeps, the exact methods train exactly like stock, and a method
+that fails gives a row with the reason instead of stopping the run."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rich.console import Console
+
+import torchstash
+from torchstash import bench, compare
+from torchstash.compare import CHECKPOINT, COMPILE, SAC, SAVE_ON_CPU
+from torchstash.demo import DemoConfig
+from torchstash.testing.toys import HalfCompressor
+from torchstash.zoo import zoo
+
+HALF = "comparetest.half"
+EXACT = (CHECKPOINT, SAC, SAVE_ON_CPU)
+MODELS = {e.name: e for e in zoo("tiny")}
+CPU = torch.device("cpu")
+
+
+def _quiet() -> Console:
+    return Console(file=io.StringIO(), width=200)
+
+
+@pytest.fixture(scope="module")
+def half() -> Iterator[str]:
+    torchstash.REGISTRY.register(HALF, HalfCompressor, lossless=False, summary="bf16 (test)")
+    try:
+        yield HALF
+    finally:
+        torchstash.REGISTRY.unregister(HALF)
+
+
+@pytest.fixture(scope="module")
+def result(half: str) -> compare.CompareResult:
+    """Every model, the exact alternatives, ``none`` and a lossy toy strategy; no demo."""
+    return compare.run_compare(
+        scale="tiny",
+        names=[*EXACT, "none", half],
+        device="cpu",
+        repeat=2,
+        demo_steps=0,
+        console=_quiet(),
+    )
+
+
+def _row(result: compare.CompareResult, model: str, method: str) -> dict[str, Any]:
+    return next(r for r in result.rows if r["model"] == model and r["method"] == method)
+
+
+def test_every_row_is_sane(result: compare.CompareResult) -> None:
+    names = ["stock", *EXACT, "none", HALF]
+    assert [r["method"] for r in result.rows] == names * 3
+    assert [r["model"] for r in result.rows[:: len(names)]] == ["gpt", "vit", "resnet"]
+    for r in result.rows:
+        assert r["error"] is None, r
+        assert r["saved_bytes"] > 0 and r["host_bytes"] == 0 and r["cuda_peak_mb"] is None
+        assert 0 < r["vs_stock"] <= 1.0
+        assert r["step_ms"] > 0 and len(r["step_times_ms"]) == 2 and r["time_ratio"] > 0
+        assert 0.0 <= r["grad_error"] < 0.1
+    for model in MODELS:
+        stock = _row(result, model, "stock")
+        assert stock["vs_stock"] == 1.0 and stock["time_ratio"] == 1.0
+        assert _row(result, model, HALF)["vs_stock"] < 0.75  # bf16 copies of fp32 tensors
+
+
+def test_checkpoint_saves_less_than_stock(result: compare.CompareResult) -> None:
+    for model in ("gpt", "vit"):  # checkpoint keeps block inputs, SAC also matmul outputs
+        stock, ckpt, sac = (_row(result, model, m)["saved_bytes"] for m in ("stock", *EXACT[:2]))
+        assert ckpt < 0.25 * stock and ckpt < sac < stock
+    assert _row(result, "resnet", CHECKPOINT)["vs_stock"] < 0.8
+
+
+def test_stock_count_is_the_tally_of_none(result: compare.CompareResult) -> None:
+    """The hook count and torchstash's tally agree on stock but for saved views, which keep
+    their whole storage alive: the GPT's token batch (one int64 more per sequence) and the
+    ViT's class token (the last block's output, all tokens). ``none`` (the identity) is
+    therefore exactly stock when each is counted its way."""
+    for model, entry in MODELS.items():
+        stock, none = _row(result, model, "stock"), _row(result, model, "none")
+        assert none["saved_bytes"] == stock["tally_bytes"] and none["vs_stock"] == 1.0
+        patches, dim = 64, 64  # tiny ViT: 32x32 images in 4x4 patches, width 64
+        slack = {"gpt": entry.batch_size * 8, "vit": entry.batch_size * patches * dim * 4}
+        assert stock["saved_bytes"] - stock["tally_bytes"] == slack.get(model, 0)
+
+
+def test_exact_methods_give_stock_gradients(result: compare.CompareResult) -> None:
+    for model in MODELS:
+        for name in EXACT:
+            assert _row(result, model, name)["grad_error"] == 0.0
+    # and directly, bit for bit, on the GPT and the ResNet (BatchNorm, in-place ReLU)
+    for model in ("gpt", "resnet"):
+        methods = {m.name: m for m in compare.methods(list(EXACT))}
+        _, ref = compare.measure_method(MODELS[model], methods["stock"], CPU, 1)
+        assert ref is not None
+        for name in EXACT:
+            row, grads = compare.measure_method(MODELS[model], methods[name], CPU, 1)
+            assert grads is not None and row["error"] is None
+            assert all(torch.equal(g, r) for g, r in zip(grads, ref, strict=True)), name
+
+
+def test_the_count_sees_checkpointed_block_inputs() -> None:
+    """Non-reentrant checkpointing keeps each block's input through autograd: the hook sees
+    exactly those (and what is saved outside the blocks)."""
+    entry = MODELS["gpt"]
+    torch.manual_seed(0)
+    model = entry.build()
+    x, _ = entry.batch(entry.batch_size, CPU)
+    inputs: list[torch.Tensor] = []
+    with compare.Checkpointed(model) as att:
+        for blk in att.blocks:
+            blk.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+        counter = compare.HeldCounter(model, CPU)
+        att.forward(x, counter)
+    keys = {compare._storage_key(t) for t in inputs}
+    assert len(keys) == len(att.blocks) == 2 and keys <= set(counter.held)
+    assert "forward" not in vars(att.blocks[0])  # removed on exit
+
+
+def test_sac_counts_its_cache() -> None:
+    """Selective checkpointing keeps matmul outputs in its own cache, not through autograd."""
+    entry = MODELS["gpt"]
+    torch.manual_seed(0)
+    model = entry.build()
+    x, _ = entry.batch(entry.batch_size, CPU)
+    with compare.Checkpointed(model, selective=True) as att:
+        counter = compare.HeldCounter(model, CPU)
+        att.forward(x, counter)
+        caches = list(att.caches)
+    cached = [t for mode in caches for t in compare._cached_tensors(mode.storage)]
+    # per block: qkv, q@k, att@v, proj, mlp.0 and mlp.2 outputs
+    assert len(caches) == 2 and len(cached) == 12
+    assert {compare._storage_key(t) for t in cached} <= set(counter.held)
+
+
+def test_a_failing_method_gives_a_row_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch, half: str
+) -> None:
+    def no_compiler(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    console = _quiet()
+    out = compare.run_compare(
+        ["gpt"], "tiny", [COMPILE, CHECKPOINT], "cpu", repeat=1, demo_steps=2, console=console
+    )
+    failed = _row(out, "gpt", COMPILE)
+    assert failed["error"] == "RuntimeError: no C++ compiler here" and failed["saved_mb"] is None
+    assert _row(out, "gpt", CHECKPOINT)["error"] is None  # measured after the failure
+    demo = {d["method"]: d for d in out.demo}
+    assert demo[COMPILE]["error"] and demo[COMPILE]["train_loss"] is None
+    assert demo[CHECKPOINT]["error"] is None
+    notes = compare.compare_notes(out)
+    assert "compile-budget (gpt, demo): failed: RuntimeError: no C++ compiler here" in notes
+    console.print(compare.compare_table(out))
+    assert "failed" in console.file.getvalue()  # type: ignore[attr-defined]
+    assert "| compile-budget | failed | - | failed | - |" in compare.markdown_table(out)
+
+
+def test_demo_trains_exact_methods_like_stock() -> None:
+    out = compare.run_compare(
+        ["gpt"],
+        "tiny",
+        list(EXACT),
+        "cpu",
+        repeat=1,
+        demo_steps=3,
+        console=_quiet(),
+        demo_config=DemoConfig.quick(),
+    )
+    demo = {d["method"]: d for d in out.demo}
+    assert list(demo) == ["stock", *EXACT]
+    stock = demo["stock"]
+    assert len(stock["losses"]) == 3 and stock["train_loss"] > 0 and stock["val_loss"] > 0
+    for name in EXACT:  # same weights, same batches, exact gradients: the same training
+        assert demo[name]["losses"] == stock["losses"]
+        assert demo[name]["val_loss"] == stock["val_loss"] and demo[name]["delta_val_pct"] == 0
+
+
+def test_pareto_front() -> None:
+    points = [(1.0, 10.0), (1.5, 4.0), (1.2, 12.0), (2.0, 5.0), (3.0, 1.0), (1.5, 6.0)]
+    assert compare.pareto_front(points) == [(1.0, 10.0), (1.5, 4.0), (3.0, 1.0)]
+    assert compare.pareto_front([]) == []
+
+
+def test_plot_is_written(result: compare.CompareResult, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    path = compare.save_plot(result, tmp_path / "sub" / "compare.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--compare", "--scale", "tiny", "--models", "vit", "--strategies", CHECKPOINT]
+    assert bench.main([*argv, "--repeat", "1", "--demo-steps", "0", "--json", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [r["method"] for r in data["rows"]] == ["stock", CHECKPOINT]
+    assert data["demo"] == [] and data["scale"] == "tiny" and data["repeat"] == 1
+    path = tmp_path / "out.json"
+    plot = tmp_path / "out.png"
+    assert bench.main([*argv, "--demo-steps", "0", "--json", str(path), "--plot", str(plot)]) == 0
+    assert "torchstash bench --compare" in capsys.readouterr().out
+    assert json.loads(path.read_text())["repeat"] == 5
+    table = compare.markdown_table(compare.from_json(path))
+    assert table.splitlines()[0] == "| method | vit saved MB | vit time |"
+    assert plot.exists() == (importlib.util.find_spec("matplotlib") is not None)
+    with pytest.raises(SystemExit):
+        bench.main(["--plot", str(plot)])  # --plot belongs to --compare
+
+
+def test_importing_compare_loads_no_plugin_and_no_matplotlib() -> None:
+    code = (
+        "import sys, torchstash.compare; "
+        "print([m for m in sys.modules if m.startswith(('torchstash_', 'matplotlib'))])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+def test_the_count_sees_the_compiled_graphs_saves() -> None:
+    """torch.compile's saved tensors pass through the same hook; the budget makes it keep
+    about half of what the unbudgeted graph keeps (slow: inductor compiles C++)."""
+    entry = MODELS["gpt"]
+    method = compare.methods([COMPILE])[1]
+    row, grads = compare.measure_method(entry, method, CPU, 1)
+    stock, _ = compare.measure_method(entry, compare.methods([])[0], CPU, 1)
+    assert row["error"] is None and grads is not None
+    assert 0.3 < row["saved_bytes"] / stock["saved_bytes"] < 0.7
