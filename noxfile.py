@@ -115,6 +115,15 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def compare(session: nox.Session) -> None:
+    """torchstash against checkpointing, SAC, save_on_cpu and torch.compile (bench --compare).
+
+    Arguments after -- go to the command, e.g. `nox -s compare -- --plot compare.png`."""
+    _install(session, "core", *PLUGINS, extras="plot")
+    session.run("torchstash", "bench", "--compare", *session.posargs)
+
+
+@nox.session(default=False)
 def slow(session: nox.Session) -> None:
     """Long-running tests (marked slow)."""
     _install(session, "core", *PLUGINS)
