@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import tags
+from .compiling import EagerUnderCompile, compiling, warn_compiled
 from .engine import DEFAULT_MIN_BYTES, Engine, ModuleInfo, Tally
 from .errors import ApplyError
 from .packed import storage_base
@@ -51,7 +52,7 @@ class Handle:
         self._model = weakref.ref(model)
         self.plan = plan
         self.engine = engine
-        self.hooks: list[RemovableHandle] = []
+        self.hooks: list[RemovableHandle | EagerUnderCompile] = []
         self.rewrites: list[Rewrite] = []
         self.removed = False
 
@@ -221,12 +222,21 @@ def _rewrite(model: nn.Module, plan: Plan, handle: Handle) -> None:
 
 
 def _install_hooks(model: nn.Module, engine: Engine, handle: Handle) -> None:
+    compresses = handle.plan.has_compressors
+    if compresses:
+        handle.hooks.append(EagerUnderCompile(model, handle.policy.name))
     for _, module, info in _infos(model):
 
         def pre(m: nn.Module, args: Any, info: ModuleInfo = info) -> None:
+            if compiling():  # traced past the eager fallback, or a rewrite-only plan
+                if compresses:
+                    warn_compiled(model, "traced")
+                return
             engine.enter_module(info, m)
 
         def post(m: nn.Module, args: Any, out: Any) -> None:
+            if compiling():
+                return
             engine.exit_module(m)
 
         handle.hooks.append(module.register_forward_pre_hook(pre))

@@ -44,3 +44,7 @@ class KernelUnavailable(TorchstashError):
 
 class ApplyError(TorchstashError):
     """A model could not be prepared (already applied, nothing to do, ...)."""
+
+
+class CompileFallbackWarning(UserWarning):
+    """torch.compile met a model whose strategy cannot run in a compiled graph (said once)."""

@@ -51,4 +51,7 @@ def pack_mask(mask: torch.Tensor, *, impl: Impl = "auto") -> torch.Tensor:
 
 def unpack_mask(packed: torch.Tensor, numel: int, *, impl: Impl = "auto") -> torch.Tensor:
     """The 1-D bool mask of ``numel`` elements packed by :func:`pack_mask`."""
-    return unpack_bits(packed, 1, numel, impl=impl).view(torch.bool)
+    codes = unpack_bits(packed, 1, numel, impl=impl)
+    if torch.compiler.is_compiling():
+        return codes != 0  # fuses; inductor cannot vectorize a uint8-to-bool bitcast
+    return codes.view(torch.bool)

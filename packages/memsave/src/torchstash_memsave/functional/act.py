@@ -122,6 +122,7 @@ class MaskedActivationFunction(torch.autograd.Function):
             raise ValueError(f"unknown activation kind {kind!r}")
         if inplace:
             ctx.mark_dirty(x)
+            out = x  # the same tensor; named as the input so torch.compile sees it returned
         if keep is None:
             ctx.save_for_backward(None, None)
             return out

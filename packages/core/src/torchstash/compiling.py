@@ -1,0 +1,85 @@
+"""What ``torch.compile`` sees of a model torchstash was applied to.
+
+The engine compresses saved tensors in Python hooks (``saved_tensors_hooks`` and an op
+tracker) that cannot run inside a compiled graph: traced, they would either be dropped or
+replayed wrongly. So a model whose strategy compresses saved tensors runs *eagerly* under
+``torch.compile``, with the memory savings intact and one warning saying so. Rewrite-only
+strategies (``memsave``) change the model's modules, which compile as they are: there the
+hooks step aside while dynamo traces, and the compiled graph holds the rewritten layers.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import CompileFallbackWarning
+
+_WARNED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+_STRATEGY: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+_REASON = "torchstash compresses saved tensors in Python hooks, which a compiled graph cannot run"
+
+
+def compiling() -> bool:
+    """Whether dynamo is tracing the calling code (constant-folded while it traces)."""
+    return bool(torch.compiler.is_compiling())
+
+
+@torch.compiler.disable(reason=_REASON)
+def _run_eager(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return nn.Module._call_impl(module, *args, **kwargs)
+
+
+@torch.compiler.disable(reason="a warning, once")
+def warn_compiled(module: nn.Module, what: str) -> None:
+    """Warn once per model (dynamo calls this at run time where it met it while tracing)."""
+    if module in _WARNED:
+        return
+    _WARNED[module] = what
+    strategy = _STRATEGY.get(module, "the applied strategy")
+    if what == "eager":
+        text = (
+            f"torchstash: {strategy!r} compresses saved tensors in Python hooks that cannot run "
+            f"inside a torch.compile graph, so {type(module).__name__} runs eagerly under "
+            "torch.compile: memory is saved as without compile, with no compile speed-up. "
+            "To compile, use a rewrite-only strategy (memsave) or torch.compile without "
+            "torchstash."
+        )
+    else:
+        text = (
+            f"torchstash: {type(module).__name__} was traced by torch.compile past the eager "
+            f"fallback (e.g. through Module.compile()), so {strategy!r} does not compress what "
+            "the compiled graph saves: it saves as stock PyTorch does. Call "
+            "torch.compile(model) instead of model.compile() to keep the savings."
+        )
+    warnings.warn(text, CompileFallbackWarning, stacklevel=2)
+
+
+def _eager_call_impl(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # Set on the instance (nn.Module.__call__ looks ``_call_impl`` up on it): dynamo reaches the
+    # disabled call and runs the whole model, hooks included, eagerly.
+    if compiling():
+        warn_compiled(self, "eager")
+    return _run_eager(self, *args, **kwargs)
+
+
+class EagerUnderCompile:
+    """Makes ``model`` run eagerly when a compiled function calls it; ``remove`` undoes it."""
+
+    def __init__(self, model: nn.Module, strategy: str) -> None:
+        self._model = weakref.ref(model)
+        _STRATEGY[model] = strategy
+        object.__setattr__(model, "_call_impl", _eager_call_impl.__get__(model))
+
+    def remove(self) -> None:
+        model = self._model()
+        if model is None:
+            return
+        model.__dict__.pop("_call_impl", None)
+        _STRATEGY.pop(model, None)
+        _WARNED.pop(model, None)
