@@ -73,6 +73,17 @@ class Row:
         return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
 
 
+def _recomputing() -> bool:
+    """In backward under another saved-tensor hook: a non-reentrant checkpoint recomputing its
+    forward. What that forward saves belongs to the checkpoint's hook, which matches it against
+    the first forward's saves; the engine must not take it over."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if task is None or top is None or task() == -1:
+        return False
+    return top(False) is not None
+
+
 class Tally:
     """Per-module accounting, plus the parameters autograd referenced (never counted as raw)."""
 
@@ -255,6 +266,8 @@ class Engine:
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return
         tls = self._tls
+        if not tls.active and _recomputing():
+            return
         exit_stack = None if tls.active else self._activation()
         if exit_stack is not None:
             exit_stack.__enter__()
