@@ -210,11 +210,14 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     path = tmp_path / "out.json"
     plot = tmp_path / "out.png"
     assert bench.main([*argv, "--demo-steps", "0", "--json", str(path), "--plot", str(plot)]) == 0
-    assert "torchstash bench --compare" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "torchstash bench --compare" in text
     assert json.loads(path.read_text())["repeat"] == 5
     table = compare.markdown_table(compare.from_json(path))
     assert table.splitlines()[0] == "| method | vit saved MB | vit time |"
     assert plot.exists() == (importlib.util.find_spec("matplotlib") is not None)
+    if not plot.exists():
+        assert "no plot: pip install torchstash[plot]" in text
     with pytest.raises(SystemExit):
         bench.main(["--plot", str(plot)])  # --plot belongs to --compare
 

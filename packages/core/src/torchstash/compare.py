@@ -35,8 +35,9 @@ above what was allocated before it: the step's activations, gradients and tempor
 models (the methods of one model are alive side by side, see :class:`Trial`).
 
 Step time is the median of ``repeat`` forward-backward steps after warm-up (so the compile
-time is left out), the methods of one model taking turns step by step, as a ratio to stock's. The demo trains the demo's
-char-level GPT with each method (same weights, same batches) and reports the final loss.
+time is left out), the methods of one model taking turns step by step, as a ratio to stock's.
+The demo trains the demo's char-level GPT with each method (same weights, same batches) and
+reports the final loss.
 """
 
 from __future__ import annotations
@@ -969,7 +970,9 @@ def main(args: argparse.Namespace) -> int:
         try:
             console.print(f"wrote {escape(str(save_plot(result, args.plot)))}")
         except ImportError:
-            console.print("matplotlib is not installed, so no plot: pip install torchstash[plot]")
+            console.print(
+                escape("matplotlib is not installed, so no plot: pip install torchstash[plot]")
+            )
     return 1 if result.rows and all(r["error"] for r in result.rows if r["method"] == STOCK) else 0
 
 
