@@ -196,7 +196,7 @@ def test_compress_error_in_forward(faulty: str) -> None:
     assert_removed(t.model)
 
     # What the message proposes works: that module left out, the armed codec trains
-    policy = [{"strategy": faulty, "options": {"where": "blocks.1.mlp.*"}}]
+    policy: list[dict[str, Any]] = [{"strategy": faulty, "options": {"where": "blocks.1.mlp.*"}}]
     rule = suggested_rule(message)
     assert rule == {"module": "blocks.1.mlp.0", "strategy": "none"}
     policy.append(rule)
@@ -316,7 +316,8 @@ def test_out_of_memory_keeps_its_type(faulty: str, fail_in: str) -> None:
         loss.backward()
     except torch.OutOfMemoryError as e:
         caught = e
-    assert type(caught) is torch.OutOfMemoryError and caught.__cause__ is None
+    assert caught is not None and type(caught) is torch.OutOfMemoryError
+    assert caught.__cause__ is None
     assert str(caught).startswith("CUDA out of memory")
     (note,) = caught.__notes__
     assert note.startswith(
