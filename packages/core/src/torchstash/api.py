@@ -7,12 +7,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import tags
+
+if TYPE_CHECKING:
+    from .budget import BudgetPlan
 from .compiling import EagerUnderCompile, compiling, warn_compiled
 from .engine import DEFAULT_MIN_BYTES, Engine, ModuleInfo, Tally
 from .errors import ApplyError
@@ -55,6 +58,7 @@ class Handle:
         self.hooks: list[RemovableHandle | EagerUnderCompile] = []
         self.rewrites: list[Rewrite] = []
         self.removed = False
+        self.budget: BudgetPlan | None = None  # what apply(budget_mb=...) chose
 
     @property
     def policy(self) -> Policy:
@@ -118,23 +122,39 @@ def apply(
     *,
     policy: PolicyLike | None = None,
     min_bytes: int = DEFAULT_MIN_BYTES,
+    budget_mb: float | None = None,
+    example: Any = None,
+    candidates: Sequence[str] | None = None,
     **options: Any,
 ) -> Handle:
     """Make ``model`` save less for backward, in place (no copy; ``state_dict`` keys unchanged).
 
     ``strategy`` names one strategy for every saved tensor (options go as keywords);
     ``policy`` gives per-layer rules (a :class:`Policy`, a file path, or a list of rule dicts).
+    ``budget_mb`` instead picks per-module strategies among ``candidates`` that keep what
+    autograd saves on ``example`` (a function running one step's forward and returning the
+    loss) under that many megabytes, with the least measured gradient error; the choice is in
+    ``handle.budget`` (see :mod:`torchstash.budget`).
     Returns a :class:`Handle`; ``handle.remove()`` or :func:`remove` restores the model.
     """
     if not isinstance(model, nn.Module):
         raise ApplyError(f"apply() needs an nn.Module, got {type(model).__name__}")
-    for name, sub in model.named_modules():
-        if sub in _HANDLES:
-            where = f"submodule {name!r}" if name else "this model"
+    if budget_mb is not None:
+        if strategy is not None or policy is not None or options:
             raise ApplyError(
-                f"torchstash is already applied to {where}; call torchstash.remove() on it "
-                f"first, or express both settings as one policy"
+                "budget_mb chooses the strategies itself: give it without a strategy, a "
+                "policy or options (narrow the choice with candidates=[...])"
             )
+        from .budget import plan_budget
+
+        _refuse_applied(model)
+        chosen = plan_budget(model, budget_mb, example, candidates=candidates, min_bytes=min_bytes)
+        handle = apply(model, policy=chosen.rules, min_bytes=min_bytes)
+        handle.budget = chosen
+        return handle
+    if example is not None or candidates is not None:
+        raise ApplyError("example= and candidates= go with budget_mb=")
+    _refuse_applied(model)
     plan = _as_plan(strategy, policy, options)
     plan.check_types({n for m in model.modules() for n in tags.type_names(m)})
 
@@ -159,6 +179,16 @@ def apply(
         raise
     _HANDLES[model] = handle
     return handle
+
+
+def _refuse_applied(model: nn.Module) -> None:
+    for name, sub in model.named_modules():
+        if sub in _HANDLES:
+            where = f"submodule {name!r}" if name else "this model"
+            raise ApplyError(
+                f"torchstash is already applied to {where}; call torchstash.remove() on it "
+                f"first, or express both settings as one policy"
+            )
 
 
 def remove(model: nn.Module) -> None:
