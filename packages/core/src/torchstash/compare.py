@@ -732,7 +732,8 @@ def run_compare(
         "repeat": repeat,
         "budget": budget,
         "demo_steps": demo_steps,
-        "demo_config": {k: getattr(cfg, k) for k in ("dim", "layers", "ctx", "batch")},
+        "demo_config": {k: getattr(cfg, k) for k in ("dim", "layers", "ctx", "batch")}
+        | {"tail": min(cfg.tail, demo_steps)},
         "seed": seed,
         "date": time.strftime("%Y-%m-%d"),
         "wall_s": time.perf_counter() - t0,
@@ -860,7 +861,8 @@ def _legend(result: CompareResult) -> str:
         demo = (
             f"; demo = the demo's char-level GPT (dim {c['dim']}, {plural(c['layers'], 'layer')}, "
             f"ctx {c['ctx']}, batch {c['batch']}) trained {m['demo_steps']} steps with each method "
-            "from the same weights on the same batches: loss = mean of the last steps, val loss "
+            "from the same weights on the same batches: loss = mean of the last "
+            f"{c['tail']} steps, val loss "
             "on held-out batches"
         )
     return (
@@ -878,6 +880,31 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, flo
         if not front or y < front[-1][1]:
             front.append((x, y))
     return front
+
+
+def _label_groups(
+    rows: Sequence[dict[str, Any]], near_x: float = 0.15, near_y: float = 0.035
+) -> list[tuple[tuple[float, float], list[str], str]]:
+    """Points whose labels would overlap (closer than ``near_x`` and ``near_y`` of the axes'
+    spans: stock, offload.cpu and save_on_cpu sit on one spot on CPU) share one label, at
+    the leftmost; grey when the families differ."""
+    if not rows:
+        return []
+    rows = sorted(rows, key=lambda r: r["time_ratio"])
+    xs = [r["time_ratio"] for r in rows]
+    ys = [r["saved_mb"] for r in rows]
+    dx, dy = near_x * ((max(xs) - min(xs)) or 1.0), near_y * ((max(ys) - min(ys)) or 1.0)
+    groups: list[tuple[tuple[float, float], list[str], str]] = []
+    for r, x, y in zip(rows, xs, ys):
+        color = FAMILY_COLORS.get(r["family"], "grey")
+        for i, ((gx, gy), names, gcolor) in enumerate(groups):
+            if abs(x - gx) <= dx and abs(y - gy) <= dy:
+                names.append(r["method"])
+                groups[i] = ((gx, gy), names, gcolor if gcolor == color else "dimgrey")
+                break
+        else:
+            groups.append(((x, y), [r["method"]], color))
+    return groups
 
 
 FAMILY_COLORS = {"stock": "black", "torch": "#d95f02", "torchstash": "#1b9e77"}
@@ -901,9 +928,10 @@ def save_plot(result: CompareResult, path: str | Path) -> Path:
         for r in ok:
             color = FAMILY_COLORS.get(r["family"], "grey")
             ax.scatter(r["time_ratio"], r["saved_mb"], color=color, s=22, zorder=3)
+        for (x, y), names, color in _label_groups(ok):
             ax.annotate(
-                r["method"],
-                (r["time_ratio"], r["saved_mb"]),
+                ", ".join(names),
+                (x, y),
                 textcoords="offset points",
                 xytext=(4, 3),
                 fontsize=7,
