@@ -400,16 +400,17 @@ def _grads(model: nn.Module) -> list[Tensor | None]:
 
 
 def grad_error(grads: Sequence[Tensor | None], ref: Sequence[Tensor | None]) -> float:
-    """Largest relative error of a parameter's gradient against stock's (0.0: identical)."""
-    worst = 0.0
+    """Relative error of all gradients together against stock's, ``|g - r| / |r|`` over every
+    parameter at once (0.0: identical); inf when one has a gradient the other lacks."""
+    diff = norm = 0.0
     for g, r in zip(grads, ref, strict=True):
         if g is None or r is None:
             if g is not r:
                 return math.inf
             continue
-        scale = r.norm().item() or 1.0
-        worst = max(worst, (g - r).norm().item() / scale)
-    return worst
+        diff += (g.double() - r.double()).pow(2).sum().item()
+        norm += r.double().pow(2).sum().item()
+    return math.sqrt(diff / norm) if norm else math.sqrt(diff)
 
 
 def _row(entry: ZooEntry, method: Method, device: torch.device) -> dict[str, Any]:
