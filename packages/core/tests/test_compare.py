@@ -220,6 +220,8 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
         assert "no plot: pip install torchstash[plot]" in text
     with pytest.raises(SystemExit):
         bench.main(["--plot", str(plot)])  # --plot belongs to --compare
+    assert bench.main(["--compare", "--models", "gpt,bert", "--demo-steps", "0"]) == 2
+    assert "unknown models ['bert']" in capsys.readouterr().out
 
 
 def test_importing_compare_loads_no_plugin_and_no_matplotlib() -> None:

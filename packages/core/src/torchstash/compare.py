@@ -965,17 +965,21 @@ def main(args: argparse.Namespace) -> int:
     to_stdout = args.json == "-"
     console = Console(stderr=True, highlight=False) if to_stdout else Console(highlight=False)
     dev = torch.device(args.device) if args.device else default_device()
-    result = run_compare(
-        args.models,
-        args.scale,
-        args.strategies,
-        dev,
-        args.repeat or 5,
-        args.demo_steps,
-        console,
-        threads=args.threads,
-        budget=args.budget,
-    )
+    try:
+        result = run_compare(
+            args.models,
+            args.scale,
+            args.strategies,
+            dev,
+            args.repeat or 5,
+            args.demo_steps,
+            console,
+            threads=args.threads,
+            budget=args.budget,
+        )
+    except ValueError as e:  # a bad model name, repeat or step count: a usage error
+        console.print(f"torchstash bench --compare: error: {escape(str(e))}")
+        return 2
     text = json.dumps(jsonable(result.to_dict()), indent=2)
     if to_stdout:
         print(text)
