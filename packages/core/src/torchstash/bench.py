@@ -397,13 +397,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--compare",
         action="store_true",
-        help="also run the alternatives and the demo task (--strategies may name them too)",
+        help="run stock, checkpoint, sac, save_on_cpu, compile-budget and the strategies on "
+        "the zoo and the demo task (--strategies may name any of them)",
     )
     c.add_argument("--models", type=split_names, default=None, help="e.g. gpt,vit (default: all)")
     c.add_argument(
         "--demo-steps", type=int, default=300, help="demo training steps; 0 skips (default: 300)"
     )
-    c.add_argument("--budget", type=float, default=0.5, help="compile's activation_memory_budget")
+    c.add_argument(
+        "--budget", type=float, default=0.5, help="compile's activation_memory_budget (0.5)"
+    )
     c.add_argument("--plot", metavar="PNG", default=None, help="write the Pareto plot to PNG")
     return p
 
