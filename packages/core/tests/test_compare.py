@@ -30,6 +30,14 @@ MODELS = {e.name: e for e in zoo("tiny")}
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """One thread, as run_compare takes on a 2-core machine: OpenMP threads spanning every
+    core of a busy machine can stall (see bench.cpu_threads)."""
+    with bench.num_threads(1):
+        yield
+
+
 def _quiet() -> Console:
     return Console(file=io.StringIO(), width=200)
 
