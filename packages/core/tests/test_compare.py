@@ -24,10 +24,32 @@ from torchstash.demo import DemoConfig
 from torchstash.testing.toys import HalfCompressor
 from torchstash.zoo import zoo
 
-HALF = "comparetest.half"
+HALF, CRASH = "comparetest.half", "comparetest.crash"
 EXACT = (CHECKPOINT, SAC, SAVE_ON_CPU)
 MODELS = {e.name: e for e in zoo("tiny")}
 CPU = torch.device("cpu")
+
+
+class _Crash(HalfCompressor):
+    """bf16 until armed, then fails on every tensor it is given (inside a training step)."""
+
+    name = CRASH
+    armed = True
+
+    def compress(self, x: torch.Tensor, site: Any) -> Any:
+        if _Crash.armed:
+            raise RuntimeError("crashed on purpose")
+        return super().compress(x, site)
+
+
+@pytest.fixture
+def crash(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    torchstash.REGISTRY.register(CRASH, _Crash, lossless=False, summary="crashes (test)")
+    monkeypatch.setattr(_Crash, "armed", True)
+    try:
+        yield CRASH
+    finally:
+        torchstash.REGISTRY.unregister(CRASH)
 
 
 @pytest.fixture(autouse=True)
@@ -154,7 +176,7 @@ def test_sac_counts_its_cache() -> None:
 
 
 def test_a_failing_method_gives_a_row_with_the_reason(
-    monkeypatch: pytest.MonkeyPatch, half: str
+    monkeypatch: pytest.MonkeyPatch, crash: str
 ) -> None:
     def no_compiler(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("no C++ compiler here")
@@ -162,11 +184,13 @@ def test_a_failing_method_gives_a_row_with_the_reason(
     monkeypatch.setattr(torch, "compile", no_compiler)
     console = _quiet()
     out = compare.run_compare(
-        ["gpt"], "tiny", [COMPILE, CHECKPOINT], "cpu", repeat=1, demo_steps=2, console=console
+        ["gpt"], "tiny", [COMPILE, crash, CHECKPOINT], "cpu", 1, 2, console=console
     )
     failed = _row(out, "gpt", COMPILE)
     assert failed["error"] == "RuntimeError: no C++ compiler here" and failed["saved_mb"] is None
-    assert _row(out, "gpt", CHECKPOINT)["error"] is None  # measured after the failure
+    crashed = _row(out, "gpt", crash)  # fails inside the forward, not when attached
+    assert "crashed on purpose" in crashed["error"] and crashed["step_ms"] is None
+    assert _row(out, "gpt", CHECKPOINT)["error"] is None  # measured after the failures
     demo = {d["method"]: d for d in out.demo}
     assert demo[COMPILE]["error"] and demo[COMPILE]["train_loss"] is None
     assert demo[CHECKPOINT]["error"] is None
@@ -175,6 +199,20 @@ def test_a_failing_method_gives_a_row_with_the_reason(
     console.print(compare.compare_table(out))
     assert "failed" in console.file.getvalue()  # type: ignore[attr-defined]
     assert "| compile-budget | failed | - | failed | - |" in compare.markdown_table(out)
+
+
+def test_a_failure_while_timed_ends_that_trial_only(crash: str) -> None:
+    entry = MODELS["gpt"]
+    _Crash.armed = False
+    trial = compare.Trial(entry, compare.methods([crash])[1], CPU)
+    stock = compare.Trial(entry, compare.methods([])[0], CPU)
+    assert trial.alive and trial.row["error"] is None and trial.row["saved_bytes"]
+    _Crash.armed = True
+    for t in (trial, stock):
+        t.step()
+    assert not trial.alive and "crashed on purpose" in trial.row["error"]
+    assert trial.close()["step_ms"] is None
+    assert stock.alive and stock.close()["step_ms"] > 0 and not stock.alive
 
 
 def test_demo_trains_exact_methods_like_stock() -> None:
