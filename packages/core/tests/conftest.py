@@ -10,20 +10,32 @@ import torch
 import torchstash
 from torchstash import env
 from torchstash.kernels import loader
-from torchstash.testing.toys import CloneCompressor, HalfCompressor
+from torchstash.testing.toys import (
+    CloneCompressor,
+    DerivableClone,
+    DerivableHalf,
+    HalfCompressor,
+)
 
 
 @pytest.fixture
 def toy_strategies() -> Iterator[list[str]]:
-    """Registers ``test.clone`` (lossless) and ``test.half`` (lossy) for one test."""
+    """Registers ``test.clone`` (lossless) and ``test.half`` (lossy) for one test, and their
+    derivable variants ``test.derive`` and ``test.derive_half`` (see :mod:`torchstash.derive`)."""
     reg = torchstash.REGISTRY
-    reg.register("test.clone", CloneCompressor, lossless=True, summary="copy")
-    reg.register("test.half", HalfCompressor, lossless=False, summary="bf16")
+    toys = {
+        "test.clone": (CloneCompressor, True),
+        "test.half": (HalfCompressor, False),
+        "test.derive": (DerivableClone, True),
+        "test.derive_half": (DerivableHalf, False),
+    }
+    for name, (factory, lossless) in toys.items():
+        reg.register(name, factory, lossless=lossless, summary=factory.__doc__ or name)
     try:
         yield ["test.clone", "test.half"]
     finally:
-        reg.unregister("test.clone")
-        reg.unregister("test.half")
+        for name in toys:
+            reg.unregister(name)
 
 
 # -- compiled kernels -------------------------------------------------------------------------

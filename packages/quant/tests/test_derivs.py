@@ -11,6 +11,7 @@ from torch.nn import functional as F
 import torchstash as ts
 from torchstash.errors import OptionError
 from torchstash_quant.derivs import derivative, pack_derivative, table, unpack_derivative
+from torchstash_quant.strategies import quant
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 FUNCS = [("gelu", "none"), ("gelu", "tanh"), ("silu", "none")]
@@ -112,7 +113,7 @@ def test_derivative_code_beats_quantizing_the_input(bits: int) -> None:
     (ref,) = torch.autograd.grad(F.gelu(x), x, g)
     errors = {}
     for deriv_bits in (bits, None):
-        with ts.stash(f"quant.int{bits}", deriv_bits=deriv_bits, min_bytes=0):
+        with ts.stash(f"quant.int{bits}", deriv_bits=deriv_bits, act_bits=None, min_bytes=0):
             y = F.gelu(x * 1.0)  # an activation (a leaf that requires grad counts as a weight)
         (got,) = torch.autograd.grad(y, x, g)
         errors[deriv_bits] = float((got - ref).norm() / ref.norm())
@@ -144,7 +145,7 @@ def test_silu_and_gelu_inputs_take_deriv_bits() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 256), nn.SiLU(), nn.Linear(256, 256), nn.GELU())
     x = torch.randn(64, 32)
-    with ts.apply(model, "quant.int2", min_bytes=0) as h:
+    with ts.apply(model, "quant.int2", act_bits=None, min_bytes=0) as h:
         model(x).sum().backward()
     for name in ("1", "3"):
         row = h.tally.rows[name]
@@ -173,3 +174,27 @@ def test_the_code_never_stands_in_for_values_another_op_saved() -> None:
 def test_bad_deriv_bits_name_the_option(value: object) -> None:
     with pytest.raises(OptionError, match=r"deriv_bits=.* must be 2, 4, 8, 'auto' or None"):
         ts.apply(nn.Linear(4, 4), "quant.int2", deriv_bits=value)
+
+
+def test_act_bits_stores_the_input_wider_and_recomputes_the_output() -> None:
+    """``act_bits``: GELU/SiLU inputs as values at that width (not derivative codes), and the
+    next Linear's input, their output, recomputed from them at no cost of its own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.SiLU(), nn.Linear(256, 256), nn.GELU())
+    x = torch.randn(64, 32)
+    with ts.apply(model, "quant.int2", act_bits=4, min_bytes=0) as h:
+        model(x).sum().backward()
+    rows = h.tally.rows
+    for name in ("1", "3"):
+        row = rows[name]
+        assert row.compressed == 1 and row.stored_bytes > 64 * 256 * 4 // 8, row
+    assert rows["2"].derived == 1 and rows["2"].stored_bytes == 0
+    with ts.apply(model, "quant.int2", act_bits=4, derive=False, min_bytes=0) as h:
+        model(x).sum().backward()
+    assert h.tally.rows["2"].derived == 0 and h.tally.rows["2"].compressed == 1
+
+
+@pytest.mark.parametrize("value", [3, "4", True, 0])
+def test_act_bits_rejects_other_widths(value: object) -> None:
+    with pytest.raises(OptionError, match="act_bits"):
+        quant(2, act_bits=value)

@@ -231,7 +231,7 @@ def test_attn_bits_widens_attention_only() -> None:
 
     torch.manual_seed(0)
     model = GPT(dim=64, layers=1, ctx=16)
-    base, _ = _attention_rows(model)
+    base, _ = _attention_rows(model, attn_bits=None)
     wide, _ = _attention_rows(model, attn_bits=8)
     # q, k, v and the attention map: 2 bits to 8 (plus the same scales)
     assert wide["SelfAttention"] > 2.5 * base["SelfAttention"]
@@ -261,3 +261,33 @@ def test_attn_bits_brings_gradients_closer() -> None:
             errs.append(float((got - exact).square().sum() / exact.square().sum()))
         error[bits] = sum(errs) / len(errs)
     assert error[8] < error[None]
+
+
+def test_int2_defaults_recompute_norm_and_gelu_outputs() -> None:
+    """``quant.int2``: LayerNorm inputs at 4 bits stand in for the projections' inputs, GELU
+    inputs (values at 2 bits) for fc2's; attention at 4 bits. A BatchNorm's input, whose
+    output no op recomputes, keeps 2 bits."""
+    from torchstash.zoo import GPT
+
+    torch.manual_seed(0)
+    model = GPT(dim=64, layers=1, ctx=16)
+    idx = torch.randint(0, 128, (2, 16))
+    with ts.apply(model, "quant.int2", min_bytes=0, seed=1) as h:
+        model(idx).square().mean().backward()
+    model.zero_grad(set_to_none=True)
+    rows = h.tally.rows
+    derived = {k for k, r in rows.items() if r.derived}
+    assert {"blocks.0.attn.qkv", "blocks.0.mlp.0", "blocks.0.mlp.2", "head"} <= derived
+    assert all(rows[k].stored_bytes == 0 for k in derived)
+    ln = rows["blocks.0.ln1"]
+    assert ln.stored_bytes > 16 * 2 * 64 * 4 // 8  # 4-bit codes, not 2
+    wide, _ = _attention_rows(model)
+    narrow, _ = _attention_rows(model, attn_bits=None)
+    assert wide["SelfAttention"] > 1.8 * narrow["SelfAttention"]
+
+    bn = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+    x = torch.randn(4, 3, 18, 18)
+    with ts.stash("quant.int2", min_bytes=0) as s:
+        bn(x).sum().backward()
+    row = next(r for r in s.tally.rows.values() if r.module_type == "BatchNorm2d")
+    assert row.derived == 0 and row.stored_bytes < 4 * 8 * 16 * 16 * 3 // 8

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from .compressor import Compressor
+from .derive import DERIVE_OPS, Recipe, recipe
 from .errors import CompressionError, KernelUnavailable
 from .optrack import STATE as OP_STATE
-from .optrack import OpTracker, role_of
+from .optrack import OpTracker, on_result, role_of
 from .packed import Packed, raw_nbytes, storage_base
 from .site import Site
 
@@ -65,6 +66,7 @@ class Row:
     stored_bytes: int = 0  # bytes actually held (payloads)
     host_bytes: int = 0  # of stored_bytes, held in host memory for an accelerator tensor
     compressed: int = 0  # tensors a compressor packed
+    derived: int = 0  # tensors kept as a recompute from another op's stored input (no bytes)
     declined: Counter[str] = field(default_factory=Counter)  # reason -> count
     ops: Counter[str] = field(default_factory=Counter)
 
@@ -112,6 +114,17 @@ class Tally:
         return sum(r.stored_bytes for r in self.rows.values())
 
 
+class _Recomputed:
+    """An entry's value that is a recipe over another entry (see :mod:`.derive`)."""
+
+    __slots__ = ("recipe", "shape", "source")
+
+    def __init__(self, source: _Entry, recipe: Recipe, shape: torch.Size) -> None:
+        self.source = source  # kept alive as long as this save is
+        self.recipe = recipe
+        self.shape = shape
+
+
 class _Entry:
     """One stored tensor, shared by every op that saved it."""
 
@@ -128,7 +141,7 @@ class _Entry:
 
     def __init__(
         self,
-        value: torch.Tensor | Packed,
+        value: torch.Tensor | Packed | _Recomputed,
         compressor: Compressor | None,
         site: Site,
         version: int,
@@ -172,7 +185,10 @@ class _Graph:
             if entry is None or entry.graph is not self or entry.value is _RELEASED:
                 continue
             value = entry.value
-            nbytes += value.nbytes() if isinstance(value, Packed) else raw_nbytes(value)
+            if isinstance(value, Packed):
+                nbytes += value.nbytes()
+            elif isinstance(value, torch.Tensor):
+                nbytes += raw_nbytes(value)
             count += 1
             entry.value = _RELEASED
             entry.source = lambda: None  # never shared again
@@ -208,6 +224,8 @@ class _ThreadState(threading.local):
         self.last_call = -1
         self.ordinal = 0
         self.graph: _Graph | None = None  # the forward pass now storing
+        #: the call whose input was just stored derivably: (call id, its recipe)
+        self.deriving: tuple[int, Recipe] | None = None
 
 
 class Engine:
@@ -228,6 +246,10 @@ class Engine:
         self._tls = _ThreadState()
         self._live: dict[tuple[Any, ...], weakref.ref[_Entry]] = {}
         self._live_limit = 1024
+        #: outputs a later save may recompute: key -> (the output, its recipe, input's entry)
+        self._recipes: dict[
+            tuple[Any, ...], tuple[weakref.ref[torch.Tensor], Recipe, weakref.ref[_Entry]]
+        ] = {}
 
     # -- scoping ------------------------------------------------------------------------------
 
@@ -366,9 +388,16 @@ class Engine:
                 row.shared += 1
                 if hit.graph is not self._tls.graph:
                     hit.graph = None  # two passes hold it: a failed backward must not drop it
+                self._note_statistic(site, hit)
                 shape = tuple(t.shape)  # the stored value (tensor or Packed) has its shape
                 return _Saved(hit, None if shape == tuple(hit.value.shape) else shape)
-        entry = self._store(t, site, row, nbytes, compressor, reason)
+        entry = None
+        if key is not None and compressor is not None and self._recipes:
+            entry = self._recomputed(t, key, compressor, site, row, nbytes)
+        if entry is None:
+            entry = self._store(t, site, row, nbytes, compressor, reason)
+            self._note_statistic(site, entry)
+            self._offer_recipe(t, entry, compressor, site)
         entry.variant = variant
         graph = self._tls.graph
         if graph is not None:
@@ -378,6 +407,83 @@ class Engine:
             self._remember(key, entry)
         return _Saved(entry)
 
+    # -- outputs recomputed from a stored input (see .derive) ---------------------------------
+
+    def _offer_recipe(
+        self, t: torch.Tensor, entry: _Entry, compressor: Compressor | None, site: Site
+    ) -> None:
+        """After storing the input of a :data:`DERIVE_OPS` call compressed, have its output
+        recomputable from that entry, if the compressor's code is fine to recompute from."""
+        if (
+            compressor is None
+            or not self.dedupe
+            or site.op not in DERIVE_OPS
+            or site.role != "input"
+            or not isinstance(entry.value, Packed)
+        ):
+            return
+        derivable = getattr(compressor, "derivable", None)
+        if derivable is None or not derivable(t, site):
+            return
+        rec = recipe(site.op, OP_STATE.args, OP_STATE.kwargs)
+        if rec is None:
+            return
+        tls, call_id, source = self._tls, OP_STATE.call_id, weakref.ref(entry)
+        tls.deriving = (call_id, rec)
+
+        def offered(result: Any) -> None:
+            if tls.deriving is not None and tls.deriving[0] == call_id:
+                tls.deriving = None
+            if not isinstance(result, torch.Tensor) or result.numel() == 0:
+                return
+            if not rec.usable or (site.op == "layer_norm" and len(rec.stats) != 2):
+                return  # a LayerNorm needs its mean and rstd, kept exact
+            rec.dtype = result.dtype
+            self._recipes[_dedupe_key(result)] = (weakref.ref(result), rec, source)
+            if len(self._recipes) > self._live_limit:
+                for k in [k for k, (r, _, e) in self._recipes.items() if r() is None or not e()]:
+                    del self._recipes[k]
+
+        on_result(offered)
+
+    def _note_statistic(self, site: Site, entry: _Entry) -> None:
+        """A statistic (a LayerNorm's mean, rstd) the call being derived saves after its input:
+        the recipe uses it as stored, so only a tensor kept as is counts."""
+        deriving = self._tls.deriving
+        if deriving is None or site.role != "output" or deriving[0] != OP_STATE.call_id:
+            return
+        if isinstance(entry.value, torch.Tensor) and entry.value is not _RELEASED:
+            deriving[1].stats.append(entry.value)
+        else:
+            deriving[1].usable = False  # a code, not the tensor: no exact statistics
+
+    def _recomputed(
+        self,
+        t: torch.Tensor,
+        key: tuple[Any, ...],
+        compressor: Compressor,
+        site: Site,
+        row: Row,
+        nbytes: int,
+    ) -> _Entry | None:
+        """An entry recomputing ``t`` from the stored input of the op that made it, when that
+        op offered a recipe and its input is stored by the same compressor (or as is)."""
+        found = self._recipes.get(key)
+        if found is None:
+            return None
+        ref, rec, source_ref = found
+        source = source_ref()
+        if (
+            ref() is None
+            or source is None
+            or source.value is _RELEASED
+            or (source.compressor is not compressor and source.compressor is not None)
+        ):
+            return None
+        row.raw_bytes += nbytes
+        row.derived += 1
+        return _Entry(_Recomputed(source, rec, t.shape), compressor, site, t._version, t)
+
     def _store_as_is(self, entry: _Entry, t: torch.Tensor) -> None:
         """Turn a compressed entry into the tensor itself, which a later op saves as is.
 
@@ -386,6 +492,15 @@ class Engine:
         it also is), so the earlier op reads the exact tensor instead: less memory, no loss.
         """
         packed = entry.value
+        if isinstance(packed, _Recomputed):  # it held no bytes: now the tensor's
+            row = self.tally.row(entry.site)
+            row.stored_bytes += raw_nbytes(t)
+            row.derived -= 1
+            value = t.detach()
+            entry.value = value if value.shape == packed.shape else value.view(packed.shape)
+            entry.compressor = None
+            entry.variant = ""
+            return
         if not isinstance(packed, Packed):
             return
         row = self.tally.row(entry.site)
@@ -474,12 +589,13 @@ class Engine:
         return frames[-1].info.type_names if frames else frozenset()
 
     def unpack(self, saved: _Saved) -> torch.Tensor:
-        value = self._unpack(saved)
+        value = self._restore(saved.entry)
         return value if saved.shape is None else value.reshape(saved.shape)
 
-    def _unpack(self, saved: _Saved) -> torch.Tensor:
-        entry = saved.entry
+    def _restore(self, entry: _Entry) -> torch.Tensor:
         value = entry.value
+        if isinstance(value, _Recomputed):
+            return value.recipe(self._restore(value.source)).view(value.shape)
         if value is _RELEASED:
             raise CompressionError(
                 f"the {_tensor(entry.site, (), None)} was released when an earlier backward "

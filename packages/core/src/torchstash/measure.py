@@ -34,6 +34,7 @@ class ModuleRow:
     compressed: int
     declined: dict[str, int]
     ops: dict[str, int]
+    derived: int = 0
 
     @property
     def ratio(self) -> float:
@@ -52,6 +53,7 @@ class ModuleRow:
             r.compressed,
             dict(r.declined),
             dict(r.ops),
+            r.derived,
         )
 
 

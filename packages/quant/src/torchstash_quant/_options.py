@@ -48,14 +48,14 @@ def check_deriv_bits(value: object, strategy: str, default: int | None) -> int |
     return value
 
 
-def check_attn_bits(value: object, strategy: str) -> int | None:
+def check_attn_bits(value: object, strategy: str, option: str = "attn_bits") -> int | None:
     """``attn_bits``: width of attention's tensors (softmax outputs, matmul operands); None
     keeps them at the strategy's own width."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value not in BITS:
         raise OptionError(
-            f"{strategy}: option attn_bits={value!r} must be 1, 2, 4, 8 or None "
-            f"(None stores attention's tensors at the strategy's width)"
+            f"{strategy}: option {option}={value!r} must be 1, 2, 4, 8 or None "
+            f"(None stores them at the strategy's width)"
         )
     return value

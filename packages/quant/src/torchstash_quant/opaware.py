@@ -26,6 +26,7 @@ from dataclasses import replace
 import torch
 
 from torchstash.compressor import BaseCompressor, Compressor
+from torchstash.derive import DERIVE_OPS
 from torchstash.optrack import STATE
 from torchstash.packed import Packed
 from torchstash.site import Site
@@ -69,13 +70,22 @@ class OpAware(BaseCompressor):
         norms: Compressor | None = None,
         derivs: DerivCoder | None = None,
         attn_bits: int | None = None,
+        act_bits: int | None = None,
+        derive: bool = False,
     ) -> None:
         self.values = values
         self.norms = norms
+        #: width of norm inputs in row-aligned groups (None: the codec's own)
+        self.norm_bits: int | None = getattr(norms, "bits", None)
         #: GELU/SiLU derivative codes (None: their inputs go to the value codec)
         self.derivs = derivs
         #: width of attention's tensors (None: the value codec's); needs a codec taking bits=
         self.attn_bits = attn_bits
+        #: width of GELU/SiLU inputs kept as values (None: derivative codes, or the codec's)
+        self.act_bits = act_bits
+        #: a LayerNorm's, GELU's or SiLU's output a later op saves is recomputed from the
+        #: input stored here (:mod:`torchstash.derive`) instead of being stored again
+        self.derive = derive
         self.name = values.name
         self.composable = getattr(values, "composable", None)
         #: the value codec takes ``group_size=`` per tensor (see :meth:`_norm_group_size`)
@@ -114,6 +124,14 @@ class OpAware(BaseCompressor):
         if site.op in DROPOUT_OPS and site.role == "output" and x.is_floating_point():
             return "dropmask"
         if (
+            self.act_bits is not None
+            and self._aligns
+            and site.op in DERIV_OPS
+            and site.role == "input"
+            and x.is_floating_point()
+        ):
+            return "act"
+        if (
             self.derivs is not None
             and site.op in DERIV_OPS
             and site.role == "input"
@@ -126,6 +144,17 @@ class OpAware(BaseCompressor):
             return "attn"
         return ""
 
+    def _stand_in_bits(self, site: Site) -> int | None:
+        """``norm_bits`` for a norm input its output is recomputed from (a LayerNorm's, with
+        ``derive``): it then stands in for the next op's input too. Other norm inputs (a
+        BatchNorm's) keep the codec's width in aligned groups."""
+        return self.norm_bits if self.derive and site.op in DERIVE_OPS else None
+
+    def derivable(self, x: torch.Tensor, site: Site) -> bool:
+        """Whether ``x``'s code may stand in for the op's output too (its values, not a
+        derivative or a sign code): the engine then recomputes that output from it."""
+        return self.derive and self.variant(x, site) in ("", "norm", "act", "attn")
+
     def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
         kind = self.variant(x, site)
         if site.op in NORM_OPS and site.role == "output":
@@ -137,7 +166,7 @@ class OpAware(BaseCompressor):
             and self._channel_major_group_size(x, site) is None
         ):
             return self.norms.unsupported(x, site)
-        if kind and kind != "attn":
+        if kind and kind not in ("attn", "act"):
             return []
         return self.values.unsupported(x, site)
 
@@ -153,13 +182,16 @@ class OpAware(BaseCompressor):
             assert self.derivs is not None
             return self.derivs.pack(x, site)
         if kind == "norm":
+            bits = self._stand_in_bits(site)
             aligned = self._norm_group_size(x, site)
             if aligned is not None:
-                return self.values.compress(x, site, group_size=aligned)  # type: ignore[call-arg]
+                return self.values.compress(  # type: ignore[call-arg]
+                    x, site, group_size=aligned, bits=bits
+                )
             channel = self._channel_major_group_size(x, site)
             if channel is not None:
                 packed = self.values.compress(  # type: ignore[call-arg]
-                    x.transpose(0, 1).contiguous(), site, group_size=channel
+                    x.transpose(0, 1).contiguous(), site, group_size=channel, bits=bits
                 )
                 packed.shape = x.shape
                 packed.meta["channel_major"] = True
@@ -170,10 +202,9 @@ class OpAware(BaseCompressor):
                 packed.meta["norm"] = True
             return packed
         rows = self._row_group_size(x)
-        if kind == "attn":
-            return self.values.compress(  # type: ignore[call-arg]
-                x, site, bits=self.attn_bits, group_size=rows
-            )
+        if kind in ("attn", "act"):
+            bits = self.attn_bits if kind == "attn" else self.act_bits
+            return self.values.compress(x, site, bits=bits, group_size=rows)  # type: ignore[call-arg]
         if rows is not None:
             return self.values.compress(x, site, group_size=rows)  # type: ignore[call-arg]
         return self.values.compress(x, site)

@@ -39,3 +39,36 @@ class HalfCompressor(BaseCompressor):
         data = packed.tensors["data"]
         assert isinstance(data, torch.Tensor)
         return data.to(packed.dtype)
+
+
+def _keeps_statistics(x: torch.Tensor, site: Site) -> list[str]:
+    """A LayerNorm's saved mean and rstd stay exact: a recipe needs them as they are."""
+    if site.op == "layer_norm" and site.role == "output":
+        return ["a LayerNorm's statistics are kept exact"]
+    return []
+
+
+class DerivableClone(CloneCompressor):
+    """:class:`CloneCompressor` whose copies may stand in for an op's output: the engine
+    recomputes a LayerNorm's, GELU's or SiLU's output from the stored input (exact inputs,
+    so a GELU's recomputed output is bit-exact)."""
+
+    name = "test.derive"
+
+    def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
+        return super().unsupported(x, site) + _keeps_statistics(x, site)
+
+    def derivable(self, x: torch.Tensor, site: Site) -> bool:
+        return True
+
+
+class DerivableHalf(HalfCompressor):
+    """:class:`HalfCompressor` whose codes may stand in for an op's output (lossy)."""
+
+    name = "test.derive_half"
+
+    def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
+        return super().unsupported(x, site) + _keeps_statistics(x, site)
+
+    def derivable(self, x: torch.Tensor, site: Site) -> bool:
+        return True

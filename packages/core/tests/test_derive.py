@@ -1,0 +1,184 @@
+"""Outputs recomputed from a stored input (``torchstash.derive``), against stock PyTorch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchstash as ts
+from torchstash.derive import recipe
+
+pytestmark = pytest.mark.usefixtures("toy_strategies")
+
+
+class Mlp(nn.Module):
+    """``fc2(act(fc1(norm(x))))``: the LayerNorm's output is fc1's saved input, the
+    activation's output fc2's."""
+
+    def __init__(self, act: Callable[[torch.Tensor], torch.Tensor] = F.gelu) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.fc1 = nn.Linear(32, 64)
+        self.fc2 = nn.Linear(64, 32)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad()
+    model(x).square().sum().backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def _setup(act: Callable[[torch.Tensor], torch.Tensor] = F.gelu) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Mlp(act)
+    with torch.no_grad():  # a LayerNorm with a non-trivial affine part
+        model.norm.weight.uniform_(0.5, 1.5)
+        model.norm.bias.uniform_(-0.5, 0.5)
+    return model, torch.randn(4, 16, 32)
+
+
+def _rows(handle: ts.Handle) -> dict[str, tuple[int, int, int]]:
+    """module -> (derived, raw bytes, stored bytes)."""
+    return {k: (r.derived, r.raw_bytes, r.stored_bytes) for k, r in handle.tally.rows.items()}
+
+
+@pytest.mark.parametrize("act", [F.gelu, F.silu, lambda x: F.gelu(x, approximate="tanh")])
+def test_activation_output_recomputed_bit_exact(
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    model, x = _setup(act)
+    ref = _grads(model, x)
+    with ts.apply(model, "test.derive", min_bytes=0) as h:
+        got = _grads(model, x)
+        rows = _rows(h)
+    # The activation's output (fc2's input) costs no bytes: it is the activation's input again.
+    assert rows["fc2"][0] == 1 and rows["fc2"][2] == 0 and rows["fc2"][1] == 4 * 16 * 64 * 4
+    assert rows["fc1"][0] == 1 and rows["fc1"][2] == 0  # the LayerNorm's output
+    # Everything but the LayerNorm's output is exact, and fc2's weight sees only the
+    # activation's output: bit-exact.
+    assert torch.equal(ref[-2], got[-2]) and torch.equal(ref[-1], got[-1])
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_norm_output_from_saved_statistics() -> None:
+    """The recipe uses the forward's mean and rstd, so it agrees with the LayerNorm's own
+    output to rounding, and the bytes it saves are exactly that output's."""
+    model, x = _setup()
+    ref = _grads(model, x)
+    with ts.apply(model, "test.clone", min_bytes=0) as h:
+        _grads(model, x)
+        plain = _rows(h)
+    with ts.apply(model, "test.derive", min_bytes=0) as h:
+        got = _grads(model, x)
+        rows = _rows(h)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    out = 4 * 16 * 32 * 4  # the LayerNorm's output, fp32
+    assert plain["fc1"][2] == out and rows["fc1"][2] == 0
+    assert sum(r[1] for r in rows.values()) == sum(r[1] for r in plain.values())  # raw: same
+
+
+def test_lossy_code_recomputes_from_the_code() -> None:
+    """With a lossy code the output is the op applied to the restored input: fc2's weight
+    gradient equals stock's on ``gelu(bf16(x))``."""
+    model, x = _setup()
+    with ts.apply(model, "test.derive_half", min_bytes=0) as h:
+        got = _grads(model, x)
+        assert h.tally.rows["fc2"].derived == 1
+    h1 = model.fc1(model.norm(x)).detach()
+    hidden = F.gelu(h1.to(torch.bfloat16).float())  # from the GELU's input, as stored
+    grad_out = 2 * model.fc2(F.gelu(h1)).detach()  # the forward itself is exact
+    want = grad_out.flatten(0, 1).T @ hidden.flatten(0, 1)
+    torch.testing.assert_close(got[-2], want, rtol=1e-6, atol=1e-6)
+    exact = grad_out.flatten(0, 1).T @ F.gelu(h1).flatten(0, 1)
+    assert not torch.allclose(got[-2], exact, rtol=1e-6, atol=1e-6)  # the code is lossy
+
+
+def test_compressor_not_derivable_stores_the_output() -> None:
+    model, x = _setup()
+    with ts.apply(model, "test.clone", min_bytes=0) as h:
+        _grads(model, x)
+        assert all(r.derived == 0 for r in h.tally.rows.values())
+
+
+def test_output_excluded_by_policy_stays_exact() -> None:
+    """A rule leaving fc2's input as is wins: it is stored, not recomputed from a code."""
+    model, x = _setup()
+    policy = [{"strategy": "test.derive_half"}, {"module": "fc2", "strategy": "none"}]
+    ref_hidden = F.gelu(model.fc1(model.norm(x))).detach()
+    with ts.apply(model, policy=policy, min_bytes=0) as h:
+        got = _grads(model, x)
+        assert h.tally.rows["fc2"].derived == 0
+        assert h.tally.rows["fc2"].stored_bytes == ref_hidden.numel() * 4
+    out = model.fc2(ref_hidden)
+    want = (2 * out.detach()).flatten(0, 1).T @ ref_hidden.flatten(0, 1)
+    torch.testing.assert_close(got[-2], want, rtol=1e-5, atol=1e-5)
+
+
+def test_output_changed_in_place_is_not_recomputed() -> None:
+    """An in-place op between the activation and the next save changes the values: the
+    version moved, no recipe matches, and gradients stay stock's."""
+
+    class Scaled(Mlp):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = F.gelu(self.fc1(self.norm(x)))
+            h.mul_(2.0)
+            return self.fc2(h)
+
+    torch.manual_seed(0)
+    model, x = Scaled(), torch.randn(4, 16, 32)
+    ref = _grads(model, x)
+    with ts.apply(model, "test.derive", min_bytes=0) as h:
+        got = _grads(model, x)
+        assert h.tally.rows["fc2"].derived == 0
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_inplace_silu_has_no_recipe() -> None:
+    assert recipe("silu", (torch.ones(2),), {"inplace": True}) is None
+    assert recipe("silu", (torch.ones(2), True), {}) is None
+    assert recipe("relu", (torch.ones(2),), {}) is None
+    assert recipe("gelu", (torch.ones(2),), {"approximate": "tanh"}) is not None
+
+
+def test_recomputed_output_later_saved_as_is() -> None:
+    """fc2's input is recomputed, then an op the policy leaves as is saves the same tensor:
+    the entry becomes that tensor (one exact copy, counted once), and gradients are stock's."""
+
+    class Twice(Mlp):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = F.gelu(self.fc1(self.norm(x)))
+            return self.fc2(h) + (h * h).sum()
+
+    torch.manual_seed(0)
+    model, x = Twice(), torch.randn(64, 32)  # 2-d: fc2 saves h itself, not a view of it
+    ref = _grads(model, x)
+    policy = [{"strategy": "test.derive"}, {"op": "mul", "strategy": "none"}]
+    with ts.apply(model, policy=policy, min_bytes=0) as h:
+        got = _grads(model, x)
+        rows = _rows(h)
+    hidden = 4 * 16 * 64 * 4
+    assert rows["fc2"] == (0, hidden, hidden)  # the recompute turned into the tensor itself
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_many_steps_free_their_recipes() -> None:
+    """Recipes are held weakly: after many steps nothing piles up."""
+    model, x = _setup()
+    with ts.apply(model, "test.derive", min_bytes=0) as h:
+        for _ in range(5):
+            _grads(model, x)
+        engine = h.engine
+        live = [k for k, (r, _, e) in engine._recipes.items() if r() is not None and e()]
+        assert live == []
