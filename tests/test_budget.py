@@ -45,8 +45,6 @@ def test_fits_and_trains(name: str, fraction: float) -> None:
     assert handle.tally.stored_bytes == plan.measured_bytes
     assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
     assert "torchstash budget" in str(plan)
-    if name == "gpt":  # widths mixed per module, not one strategy everywhere
-        assert len({c.strategy for c in plan.choices}) > 1
     handle.remove()
 
 
