@@ -179,6 +179,4 @@ def test_many_steps_free_their_recipes() -> None:
     with ts.apply(model, "test.derive", min_bytes=0) as h:
         for _ in range(5):
             _grads(model, x)
-        engine = h.engine
-        live = [k for k, (r, _, e) in engine._recipes.items() if r() is not None and e()]
-        assert live == []
+        assert h.engine._recipes == {}  # each dropped when its output was freed

@@ -439,10 +439,17 @@ class Engine:
             if not rec.usable or (site.op == "layer_norm" and len(rec.stats) != 2):
                 return  # a LayerNorm needs its mean and rstd, kept exact
             rec.dtype = result.dtype
-            self._recipes[_dedupe_key(result)] = (weakref.ref(result), rec, source)
-            if len(self._recipes) > self._live_limit:
-                for k in [k for k, (r, _, e) in self._recipes.items() if r() is None or not e()]:
-                    del self._recipes[k]
+            key = _dedupe_key(result)
+            recipes = self._recipes
+
+            def forget(ref: weakref.ref[torch.Tensor]) -> None:
+                # The output is gone, so no later save can match it: drop the recipe (and the
+                # statistics it holds) now, not when the table next grows.
+                found = recipes.get(key)
+                if found is not None and found[0] is ref:
+                    del recipes[key]
+
+            recipes[key] = (weakref.ref(result, forget), rec, source)
 
         on_result(offered)
 
