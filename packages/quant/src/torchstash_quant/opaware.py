@@ -17,6 +17,9 @@ with ``attn_bits`` set, at that width instead of the codec's (measured in the de
 they cost more of the final loss than everything else together).
 (Softmax already saves only its output, and the engine stores a tensor saved by several
 ops once, so an attention map is never kept twice.)
+Inputs that stand in for outputs (``derive``): a LayerNorm's input (at ``norm_bits``) and a
+GELU's or SiLU's kept as values (at ``act_bits``) are ``derivable``, so the engine recomputes
+the op's output from them when the next op saves it (:mod:`torchstash.derive`).
 """
 
 from __future__ import annotations
