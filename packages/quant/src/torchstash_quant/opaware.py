@@ -156,7 +156,7 @@ class OpAware(BaseCompressor):
     def derivable(self, x: torch.Tensor, site: Site) -> bool:
         """Whether ``x``'s code may stand in for the op's output too (its values, not a
         derivative or a sign code): the engine then recomputes that output from it."""
-        return self.derive and self.variant(x, site) in ("", "norm", "act", "attn")
+        return self.derive and self.variant(x, site) in ("", "norm", "act")
 
     def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
         kind = self.variant(x, site)
