@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchstash as ts
-from torchstash.derive import recipe
+from torchstash.derive import matmul_order, recipe
+from torchstash.zoo import SelfAttention
 
 pytestmark = pytest.mark.usefixtures("toy_strategies")
 
@@ -180,3 +181,100 @@ def test_many_steps_free_their_recipes() -> None:
         for _ in range(5):
             _grads(model, x)
         assert h.engine._recipes == {}  # each dropped when its output was freed
+
+
+class HFAttention(nn.Module):
+    """Hugging Face's layout: ``torch.matmul``, ``transpose(1, 2).contiguous()``, ``view``."""
+
+    def __init__(self, dim: int = 32, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.o = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, n, self.heads, c // self.heads).transpose(1, 2)
+
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        probs = torch.matmul(q, k.transpose(2, 3)).softmax(-1)
+        out = torch.matmul(probs, v).transpose(1, 2).contiguous()
+        return self.o(out.view(b, n, c))
+
+
+@pytest.mark.parametrize(
+    ("make", "proj"),
+    [
+        (lambda: SelfAttention(32, 2, causal=True), "proj"),
+        (lambda: SelfAttention(32, 2, causal=False), "proj"),
+        (HFAttention, "o"),
+    ],
+    ids=["zoo-causal", "zoo", "hf"],
+)
+def test_attention_output_recomputed_bit_exact(make: Callable[[], nn.Module], proj: str) -> None:
+    """``attn @ v``, transposed and copied into the output projection's input, is that
+    projection's saved input: recomputed from the two operands the matmul saved, carried
+    through the layout ops, it costs no bytes and the gradients are stock's to the bit."""
+    torch.manual_seed(0)
+    model, x = make(), torch.randn(2, 8, 32)
+    ref = _grads(model, x)
+    with ts.apply(model, "test.derive", min_bytes=0) as h:
+        got = _grads(model, x)
+        rows = _rows(h)
+    assert rows[proj][0] == 1 and rows[proj][2] == 0 and rows[proj][1] == 2 * 8 * 32 * 4
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+
+
+def test_matmul_with_a_parameter_is_not_recomputed() -> None:
+    """``x @ W``'s output is a linear layer's: recomputing it would cost a forward's matmul,
+    and its operand W is not an activation the strategy stores; it is stored as usual."""
+
+    class Plain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(32, 32))
+            self.fc = nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x @ self.w)
+
+    model = Plain()
+    with ts.apply(model, "test.derive", min_bytes=0) as h:
+        _grads(model, torch.randn(2, 8, 32))
+        assert all(r.derived == 0 for r in h.tally.rows.values())
+
+
+def test_attention_output_changed_in_place_is_not_recomputed() -> None:
+    class Scaled(SelfAttention):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, n, c = x.shape
+            q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+            y = (q @ k.transpose(-2, -1)).softmax(-1) @ v
+            y.mul_(2.0)  # after the matmul: the recipe no longer holds
+            return self.proj(y.transpose(1, 2).reshape(b, n, c))
+
+    torch.manual_seed(0)
+    model, x = Scaled(32, 2, causal=False), torch.randn(2, 8, 32)
+    ref = _grads(model, x)
+    with ts.apply(model, "test.derive", min_bytes=0) as h:
+        got = _grads(model, x)
+        assert h.tally.rows["proj"].derived == 0
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+
+
+def test_matmul_order_from_shapes_and_roles() -> None:
+    # (B*H, N, N) @ (B*H, N, D), saved right operand first: the shapes decide
+    assert matmul_order([(4, 8, 16), (4, 8, 8)], ["output", "input"], (4, 8, 16)) == (1, 0)
+    # square: the call's left argument decides, else autograd's save order (right first)
+    assert matmul_order([(4, 8, 8), (4, 8, 8)], ["input", "output"], (4, 8, 8)) == (0, 1)
+    assert matmul_order([(4, 8, 8), (4, 8, 8)], ["arg1", "input"], (4, 8, 8)) == (1, 0)
+    assert matmul_order([(4, 8, 8), (4, 8, 8)], ["output", "output"], (4, 8, 8)) == (1, 0)
+    # not a product of the two (a bias, a reduction): no recipe
+    assert matmul_order([(4, 8, 16), (4, 8, 8)], ["output", "input"], (4, 8, 32)) is None
+    assert matmul_order([(8,), (8, 4)], ["input", "arg1"], (4,)) is None
+    assert recipe("matmul", (), {}, "baddbmm") is None
+    assert recipe("matmul", (), {}, "matmul") is not None

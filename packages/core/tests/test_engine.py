@@ -160,6 +160,19 @@ def test_tensor_saved_twice_is_stored_once(toy_strategies: list[str]) -> None:
     assert h.tally.raw_bytes == h.tally.stored_bytes == x.numel() * 4
 
 
+def test_tensor_held_two_ways_counts_once_in_raw(toy_strategies: list[str]) -> None:
+    """A ReLU's output kept by the ReLU one way and by the next Linear another way is two
+    entries, but stock holds the tensor once: raw bytes count it once, stored bytes twice."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    x = torch.randn(32, 64)
+    policy = [{"strategy": "test.clone"}, {"op": "relu", "strategy": "test.half"}]
+    with ts.apply(model, policy=policy, min_bytes=0) as h:
+        model(x).sum().backward()
+    act = 32 * 64 * 4
+    assert h.tally.raw_bytes == 2 * act  # x, and the ReLU's output once
+    assert h.tally.stored_bytes == 2 * act + act // 2
+
+
 def test_shared_module_called_twice(recorder: Recorder) -> None:
     lin = nn.Linear(16, 16)
     model = nn.Sequential(lin, nn.GELU(), lin)

@@ -138,7 +138,9 @@ def test_deriv_bits_auto_follows_the_width() -> None:
     for bits, width in DERIV_DEFAULT.items():
         derivs = quant(bits).derivs
         assert (derivs.bits if derivs else None) == width
-    assert auto(budget=2).derivs is not None and auto(budget=4).derivs is None
+    assert auto(budget=2, derive=False).derivs is not None
+    assert auto(budget=4, derive=False).derivs is None
+    assert auto(budget=2).derivs is None  # recomputing GELU outputs needs their values
 
 
 def test_silu_and_gelu_inputs_take_deriv_bits() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import torchstash as ts
 import torchstash_quant.gact as gact
@@ -97,3 +98,19 @@ def test_gact_adaptive_levels_are_auto(level: str, budget: int) -> None:
 def test_gact_unknown_level() -> None:
     with pytest.raises(OptionError, match="unknown GACT level"):
         gact.set_optimization_level("L9")
+
+
+def test_offloading_level_keeps_the_op_aware_codes() -> None:
+    """L4 is L3 composed with an offload: the composition keeps L3's op-aware behaviour (a
+    ReLU's sign bits are never shared with the next Linear, which needs the values), so on
+    CPU, where the offload declines, its gradients are L3's bit for bit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.GELU())
+    x = torch.randn(32, 64)
+    grads = []
+    for level in ("quant.L3", "quant.L4"):
+        model.zero_grad()
+        with ts.apply(model, level, seed=0, min_bytes=0):
+            model(x).square().sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

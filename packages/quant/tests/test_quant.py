@@ -166,12 +166,14 @@ def test_bool_tensors_take_one_bit() -> None:
         ("quant.int8", "gpt", 3.8, 1.9, 0.999),
         ("quant.int8", "vit", 3.8, 1.9, 0.999),
         ("quant.int4", "vit", 7.0, 3.5, 0.99),
-        ("quant.int4", "gpt", 6.5, 3.5, 0.985),
-        ("quant.int2", "gpt", 12.0, 6.0, 0.7),
+        ("quant.int4", "gpt", 7.0, 3.5, 0.99),
+        ("quant.int2", "gpt", 12.0, 6.0, 0.97),
+        ("quant.int2", "vit", 11.0, 5.5, 0.97),  # tiny: 11.4x (small: 12.4x)
         ("quant.mesa", "gpt", 3.8, 1.9, 0.999),
         ("quant.mesa", "vit", 3.8, 1.9, 0.999),
         ("quant.fp8", "vit", 3.8, 1.9, 0.999),
-        ("quant.int8", "resnet", 4.0, 2.0, 0.999),
+        # 4 bits of max-pool offsets, 1 of ReLU signs beside the values the convs save: 3.9x
+        ("quant.int8", "resnet", 3.8, 1.9, 0.999),
     ],
 )
 def test_savings_and_gradients_on_the_zoo(

@@ -20,6 +20,10 @@ class Compressor(Protocol):
     ``site.key``. An op-aware compressor that stores a tensor differently depending on the op
     (a ReLU's sign mask instead of its values) also defines ``variant(x, site) -> str``, so
     the engine shares one stored copy of a tensor only between saves of the same variant.
+    Two more optional methods concern outputs the engine recomputes (:mod:`.derive`):
+    ``derivable(x, site) -> bool`` says a code may stand in for the op's output, and
+    ``derived(x, site, sources)`` is told of each save kept as a recomputation from the
+    entries stored at the ``sources`` sites (a budget then counts it: it costs no bytes).
     """
 
     name: str
@@ -69,6 +73,20 @@ class Composed:
 
     def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
         return self.first.unsupported(x, site)
+
+    # ``first``'s optional methods hold for the composition: it stores what ``first`` stores.
+    def variant(self, x: torch.Tensor, site: Site) -> str:
+        told = getattr(self.first, "variant", None)
+        return str(told(x, site)) if told is not None else ""
+
+    def derivable(self, x: torch.Tensor, site: Site) -> bool:
+        told = getattr(self.first, "derivable", None)
+        return bool(told(x, site)) if told is not None else False
+
+    def derived(self, x: torch.Tensor, site: Site, sources: list[Site]) -> None:
+        told = getattr(self.first, "derived", None)
+        if told is not None:
+            told(x, site, sources)
 
     def compress(self, x: torch.Tensor, site: Site) -> Packed | torch.Tensor:
         packed = self.first.compress(x, site)

@@ -9,21 +9,48 @@ strategy stores that input compressed anyway and says its code is fine to recomp
 restored input in backward. The bytes saved can buy the input a wider code, so the output
 comes back closer to exact than its own code of the same total size would give.
 
-Only for ops whose output is a pure function of the input, arguments and the statistics the
+Attention's output is recomputed the same way: ``attn @ v`` from the two operands the matmul
+saved, carried through the ``transpose``/``reshape`` copy that feeds the output projection
+(:data:`LAYOUT_OPS`: a recipe for an op's input is one for its output, one step longer).
+
+Only for ops whose output is a pure function of the inputs, arguments and the statistics the
 op saved (:data:`DERIVE_OPS`); anything else saved is stored as usual.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-#: Ops whose output the engine can recompute from their saved input.
-DERIVE_OPS = frozenset({"gelu", "silu", "layer_norm"})
+#: Ops whose output the engine can recompute from their saved inputs.
+DERIVE_OPS = frozenset({"gelu", "silu", "layer_norm", "matmul"})
+#: Functions whose result is the plain product of the two operands they save (no scaling,
+#: no bias, no sum over a third operand): a matmul recipe is offered for these only.
+MATMUL_FUNCS = frozenset({"matmul", "__matmul__", "bmm", "mm"})
+#: Functions that only view or copy their first argument's values in another layout: replayed
+#: with the same arguments, they carry a recipe from their input to their output.
+LAYOUT_OPS = frozenset(
+    {
+        "transpose",
+        "swapaxes",
+        "swapdims",
+        "permute",
+        "movedim",
+        "reshape",
+        "view",
+        "flatten",
+        "unflatten",
+        "squeeze",
+        "unsqueeze",
+        "contiguous",
+        "clone",
+    }
+)
 
 
 def _argument(args: Sequence[Any], kwargs: dict[str, Any], name: str, pos: int) -> Any:
@@ -35,7 +62,8 @@ def _argument(args: Sequence[Any], kwargs: dict[str, Any], name: str, pos: int) 
 @dataclass
 class Recipe:
     """How to recompute one call's output: the op, its non-input arguments, the statistics it
-    saved (a LayerNorm's mean and reciprocal std, in save order) and the output's dtype."""
+    saved (a LayerNorm's mean and reciprocal std, in save order), the output's dtype, and the
+    layout steps applied since (a ``transpose`` then a ``reshape``)."""
 
     op: str
     arguments: dict[str, Any]
@@ -43,15 +71,77 @@ class Recipe:
     dtype: torch.dtype | None = None
     #: False when a statistic was stored as a code: the output is then stored as usual
     usable: bool = True
+    #: how many saved operands it is computed from (a matmul: two)
+    arity: int = 1
+    #: the op's output shape (a matmul's operands are saved folded to 3-d: ``attn @ v`` on
+    #: (B, H, N, N) and (B, H, N, D) saves (B*H, N, N) and (B*H, N, D))
+    shape: torch.Size | None = None
+    steps: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = ()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = _RECOMPUTE[self.op](self, x)
-        return out if self.dtype is None else out.to(self.dtype)
+    def __call__(self, *operands: torch.Tensor) -> torch.Tensor:
+        out = _RECOMPUTE[self.op](self, *operands)
+        if self.shape is not None:
+            out = out.reshape(self.shape)
+        if self.dtype is not None:
+            out = out.to(self.dtype)
+        for step in self.steps:
+            out = step(out)
+        return out
+
+    def then(self, step: Callable[[torch.Tensor], torch.Tensor]) -> Recipe:
+        """This recipe followed by a layout step (the statistics are shared, not copied)."""
+        return replace(self, steps=(*self.steps, step))
 
 
-def recipe(op: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Recipe | None:
-    """The recipe for the running call of ``op``, or None when its output cannot be rebuilt
-    from the input alone (an in-place SiLU, a LayerNorm without its statistics)."""
+def layout_step(
+    func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``func`` replayed on a recomputed first argument, or None when any other argument is a
+    tensor (its values would have to be kept)."""
+    rest = tuple(args[1:])
+    if any(isinstance(a, torch.Tensor) for a in (*rest, *kwargs.values())):
+        return None
+    return lambda t: func(t, *rest, **kwargs)
+
+
+def matmul_order(
+    shapes: Sequence[tuple[int, ...]], roles: Sequence[str], result: tuple[int, ...]
+) -> tuple[int, int] | None:
+    """Which of the two saved operands is the left one, from their shapes (the roles settle
+    square operands: ``input`` is the call's left argument, ``arg1`` its right), or None when
+    their product is not the result."""
+    if len(shapes) != 2 or any(len(s) < 2 for s in shapes):
+        return None
+    fits = [
+        (a, b)
+        for a, b in ((0, 1), (1, 0))
+        if shapes[a][-1] == shapes[b][-2] and _product_numel(shapes[a], shapes[b]) == _numel(result)
+    ]
+    if len(fits) == 2:  # square operands: the roles say which is which
+        if roles[0] == "input" or roles[1] == "arg1":
+            return (0, 1)
+        return (1, 0)  # or autograd's order: it saves the right operand (mat2) first
+    return fits[0] if fits else None
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def _product_numel(a: Sequence[int], b: Sequence[int]) -> int:
+    try:
+        batch = torch.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2]))
+    except RuntimeError:
+        return -1
+    return _numel(batch) * a[-2] * b[-1]
+
+
+def recipe(op: str, args: Sequence[Any], kwargs: dict[str, Any], func: str = "") -> Recipe | None:
+    """The recipe for the running call of ``op`` (raw function name ``func``), or None when
+    its output cannot be rebuilt from its saved inputs alone (an in-place SiLU, a LayerNorm
+    without its statistics, a matmul that adds a bias)."""
+    if op == "matmul":
+        return Recipe(op, {}, arity=2) if func in MATMUL_FUNCS else None
     if op == "gelu":
         approximate = _argument(args, kwargs, "approximate", 1) or "none"
         return Recipe(op, {"approximate": str(approximate)})
@@ -92,8 +182,13 @@ def _layer_norm(r: Recipe, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-_RECOMPUTE: dict[str, Callable[[Recipe, torch.Tensor], torch.Tensor]] = {
+def _matmul(r: Recipe, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(a, b)
+
+
+_RECOMPUTE: dict[str, Callable[..., torch.Tensor]] = {
     "gelu": _gelu,
     "silu": _silu,
     "layer_norm": _layer_norm,
+    "matmul": _matmul,
 }

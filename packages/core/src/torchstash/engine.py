@@ -9,6 +9,7 @@ asks the policy for a compressor, and counts raw and stored bytes per module.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections import Counter
@@ -19,14 +20,16 @@ from typing import Any
 import torch
 
 from .compressor import Compressor
-from .derive import DERIVE_OPS, Recipe, recipe
+from .derive import DERIVE_OPS, LAYOUT_OPS, Recipe, layout_step, matmul_order, recipe
 from .errors import CompressionError, KernelUnavailable
 from .optrack import STATE as OP_STATE
-from .optrack import OpTracker, on_result, role_of
+from .optrack import OpTracker, on_result, role_of, watching
 from .packed import Packed, raw_nbytes, storage_base
 from .site import Site
 
 Resolver = Callable[[Site, frozenset[str]], "Compressor | None"]
+#: a recipe's operands: each entry (held weakly) and the shape its op saved it in
+_Sources = tuple[tuple["weakref.ref[_Entry]", torch.Size], ...]
 
 #: Tensors smaller than this are stored as they are: compressing them saves nothing worth a kernel.
 DEFAULT_MIN_BYTES = 1024
@@ -115,14 +118,30 @@ class Tally:
 
 
 class _Recomputed:
-    """An entry's value that is a recipe over another entry (see :mod:`.derive`)."""
+    """An entry's value that is a recipe over other entries (see :mod:`.derive`)."""
 
-    __slots__ = ("recipe", "shape", "source")
+    __slots__ = ("recipe", "shape", "sources")
 
-    def __init__(self, source: _Entry, recipe: Recipe, shape: torch.Size) -> None:
-        self.source = source  # kept alive as long as this save is
+    def __init__(
+        self, sources: list[tuple[_Entry, torch.Size]], recipe: Recipe, shape: torch.Size
+    ) -> None:
+        #: the operands' entries, each with the shape its op saved it in (kept alive as long
+        #: as this save is)
+        self.sources = sources
         self.recipe = recipe
         self.shape = shape
+
+
+@dataclass
+class _Derivation:
+    """The call of a :data:`DERIVE_OPS` op whose saves are being collected: its recipe, and
+    for each operand saved, its entry, the shape saved and its role."""
+
+    call_id: int
+    recipe: Recipe
+    sources: list[tuple[weakref.ref[_Entry], torch.Size, str]] = field(default_factory=list)
+    #: False once an operand is stored in a way its output cannot be recomputed from
+    derivable: bool = True
 
 
 class _Entry:
@@ -224,8 +243,8 @@ class _ThreadState(threading.local):
         self.last_call = -1
         self.ordinal = 0
         self.graph: _Graph | None = None  # the forward pass now storing
-        #: the call whose input was just stored derivably: (call id, its recipe)
-        self.deriving: tuple[int, Recipe] | None = None
+        #: the derive op call whose saves are being collected
+        self.deriving: _Derivation | None = None
 
 
 class Engine:
@@ -246,9 +265,10 @@ class Engine:
         self._tls = _ThreadState()
         self._live: dict[tuple[Any, ...], weakref.ref[_Entry]] = {}
         self._live_limit = 1024
-        #: outputs a later save may recompute: key -> (the output, its recipe, input's entry)
+        #: outputs a later save may recompute: key -> (the output, its recipe, the operands'
+        #: entries with their saved shapes)
         self._recipes: dict[
-            tuple[Any, ...], tuple[weakref.ref[torch.Tensor], Recipe, weakref.ref[_Entry]]
+            tuple[Any, ...], tuple[weakref.ref[torch.Tensor], Recipe, _Sources]
         ] = {}
 
     # -- scoping ------------------------------------------------------------------------------
@@ -271,6 +291,8 @@ class Engine:
             tls.op_counts.clear()
             tls.graph = _Graph()
             self._skip = self._skip_ptrs() if self._skip_ptrs else set()
+        if tls.active == 0 and self.dedupe:
+            stack.enter_context(watching(LAYOUT_OPS, self._carry_recipe))
         tls.active += 1
         stack.callback(self._deactivate)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
@@ -367,6 +389,9 @@ class Engine:
         compressor, reason = self._choose(t, site, nbytes)
         variant = _variant(compressor, t, site)
         key = None
+        #: another entry holds this tensor in another way (a ReLU's sign bits, and the
+        #: values the next conv saves): stock holds the tensor once, so raw counts it once
+        repeat = False
         if self.dedupe and t.numel() > 0:
             key = _dedupe_key(t)
             ref = self._live.get(key)
@@ -388,16 +413,17 @@ class Engine:
                 row.shared += 1
                 if hit.graph is not self._tls.graph:
                     hit.graph = None  # two passes hold it: a failed backward must not drop it
-                self._note_statistic(site, hit)
+                self._note_derive_save(t, hit, compressor, site)
                 shape = tuple(t.shape)  # the stored value (tensor or Packed) has its shape
                 return _Saved(hit, None if shape == tuple(hit.value.shape) else shape)
+            repeat = hit is not None and hit.source() is not None
+        raw = 0 if repeat else nbytes
         entry = None
         if key is not None and compressor is not None and self._recipes:
-            entry = self._recomputed(t, key, compressor, site, row, nbytes)
+            entry = self._recomputed(t, key, compressor, site, row, raw)
         if entry is None:
-            entry = self._store(t, site, row, nbytes, compressor, reason)
-            self._note_statistic(site, entry)
-            self._offer_recipe(t, entry, compressor, site)
+            entry = self._store(t, site, row, nbytes, compressor, reason, raw=raw)
+            self._note_derive_save(t, entry, compressor, site)
         entry.variant = variant
         graph = self._tls.graph
         if graph is not None:
@@ -409,60 +435,99 @@ class Engine:
 
     # -- outputs recomputed from a stored input (see .derive) ---------------------------------
 
-    def _offer_recipe(
+    def _note_derive_save(
         self, t: torch.Tensor, entry: _Entry, compressor: Compressor | None, site: Site
     ) -> None:
-        """After storing the input of a :data:`DERIVE_OPS` call compressed, have its output
-        recomputable from that entry, if the compressor's code is fine to recompute from."""
-        if (
-            compressor is None
-            or not self.dedupe
-            or site.op not in DERIVE_OPS
-            or site.role != "input"
-            or not isinstance(entry.value, Packed)
-        ):
+        """Collect what a :data:`DERIVE_OPS` call saves: its operands (a GELU's input, both
+        of an ``attn @ v``), and a LayerNorm's statistics. When the call returns, its output
+        becomes recomputable (:meth:`_offer_recipe`) if every operand was stored by a
+        compressor whose code is fine to recompute from."""
+        if not self.dedupe or site.op not in DERIVE_OPS:
             return
-        derivable = getattr(compressor, "derivable", None)
-        if derivable is None or not derivable(t, site):
-            return
-        rec = recipe(site.op, OP_STATE.args, OP_STATE.kwargs)
-        if rec is None:
-            return
-        tls, call_id, source = self._tls, OP_STATE.call_id, weakref.ref(entry)
-        tls.deriving = (call_id, rec)
+        tls, call_id = self._tls, OP_STATE.call_id
+        d = tls.deriving
+        if d is not None and d.call_id != call_id:
+            d = tls.deriving = None  # an earlier call that raised
+        if site.op == "matmul" or site.role == "input":
+            if d is None:
+                rec = recipe(site.op, OP_STATE.args, OP_STATE.kwargs, OP_STATE.raw)
+                if rec is None:
+                    return
+                d = tls.deriving = _Derivation(call_id, rec)
+                on_result(functools.partial(self._offer_recipe, d, site.op))
+            derivable = getattr(compressor, "derivable", None)
+            d.derivable = (
+                d.derivable
+                and compressor is not None
+                and entry.compressor is compressor
+                and isinstance(entry.value, (Packed, _Recomputed))
+                and derivable is not None
+                and bool(derivable(t, site))
+            )
+            d.sources.append((weakref.ref(entry), t.shape, site.role))
+        elif d is not None:  # a statistic the op saved after its input (mean, rstd)
+            if isinstance(entry.value, torch.Tensor) and entry.value is not _RELEASED:
+                d.recipe.stats.append(entry.value)
+            else:
+                d.recipe.usable = False  # a code, not the tensor: no exact statistics
 
-        def offered(result: Any) -> None:
-            if tls.deriving is not None and tls.deriving[0] == call_id:
-                tls.deriving = None
-            if not isinstance(result, torch.Tensor) or result.numel() == 0:
+    def _offer_recipe(self, d: _Derivation, op: str, result: Any) -> None:
+        """The derive call returned: make its output recomputable from its operands' entries."""
+        tls, rec = self._tls, d.recipe
+        if tls.deriving is d:
+            tls.deriving = None
+        if not isinstance(result, torch.Tensor) or result.numel() == 0 or not d.derivable:
+            return
+        if not rec.usable or len(d.sources) != rec.arity:
+            return
+        if op == "layer_norm" and len(rec.stats) != 2:
+            return  # a LayerNorm needs its mean and rstd, kept exact
+        sources = [(ref, shape) for ref, shape, _ in d.sources]
+        if op == "matmul":
+            order = matmul_order(
+                [tuple(shape) for _, shape, _ in d.sources],
+                [role for _, _, role in d.sources],
+                tuple(result.shape),
+            )
+            if order is None:
                 return
-            if not rec.usable or (site.op == "layer_norm" and len(rec.stats) != 2):
-                return  # a LayerNorm needs its mean and rstd, kept exact
-            rec.dtype = result.dtype
-            key = _dedupe_key(result)
-            recipes = self._recipes
+            sources = [sources[i] for i in order]
+        rec.dtype, rec.shape = result.dtype, result.shape
+        self._add_recipe(result, rec, tuple(sources))
 
-            def forget(ref: weakref.ref[torch.Tensor]) -> None:
-                # The output is gone, so no later save can match it: drop the recipe (and the
-                # statistics it holds) now, not when the table next grows.
-                found = recipes.get(key)
-                if found is not None and found[0] is ref:
-                    del recipes[key]
+    def _add_recipe(self, result: torch.Tensor, rec: Recipe, sources: _Sources) -> None:
+        key = _dedupe_key(result)
+        recipes = self._recipes
 
-            recipes[key] = (weakref.ref(result, forget), rec, source)
+        def forget(ref: weakref.ref[torch.Tensor]) -> None:
+            # The output is gone, so no later save can match it: drop the recipe (and the
+            # statistics it holds) now, not when the table next grows.
+            found = recipes.get(key)
+            if found is not None and found[0] is ref:
+                del recipes[key]
 
-        on_result(offered)
+        recipes[key] = (weakref.ref(result, forget), rec, sources)
 
-    def _note_statistic(self, site: Site, entry: _Entry) -> None:
-        """A statistic (a LayerNorm's mean, rstd) the call being derived saves after its input:
-        the recipe uses it as stored, so only a tensor kept as is counts."""
-        deriving = self._tls.deriving
-        if deriving is None or site.role != "output" or deriving[0] != OP_STATE.call_id:
+    def _carry_recipe(
+        self, func: Callable[..., Any], args: Any, kwargs: dict[str, Any], result: Any
+    ) -> None:
+        """A layout op (:data:`LAYOUT_OPS`) on a recomputable tensor: its result is
+        recomputable too, by the same recipe one step longer (``attn @ v``, transposed and
+        copied into the projection's input)."""
+        if not self._recipes or not args or not isinstance(result, torch.Tensor):
             return
-        if isinstance(entry.value, torch.Tensor) and entry.value is not _RELEASED:
-            deriving[1].stats.append(entry.value)
-        else:
-            deriving[1].usable = False  # a code, not the tensor: no exact statistics
+        x = args[0]
+        if not isinstance(x, torch.Tensor) or x.numel() == 0 or result.numel() != x.numel():
+            return
+        found = self._recipes.get(_dedupe_key(x))
+        if found is None or found[0]() is None:
+            return
+        key = _dedupe_key(result)
+        if key in self._recipes:
+            return  # a view of the same values in the same layout: already recomputable
+        step = layout_step(func, args, kwargs)
+        if step is not None:
+            self._add_recipe(result, found[1].then(step), found[2])
 
     def _recomputed(
         self,
@@ -478,18 +543,25 @@ class Engine:
         found = self._recipes.get(key)
         if found is None:
             return None
-        ref, rec, source_ref = found
-        source = source_ref()
-        if (
-            ref() is None
-            or source is None
-            or source.value is _RELEASED
-            or (source.compressor is not compressor and source.compressor is not None)
-        ):
+        ref, rec, source_refs = found
+        if ref() is None:
             return None
+        sources = []
+        for source_ref, shape in source_refs:
+            source = source_ref()
+            if (
+                source is None
+                or source.value is _RELEASED
+                or (source.compressor is not compressor and source.compressor is not None)
+            ):
+                return None
+            sources.append((source, shape))
         row.raw_bytes += nbytes
         row.derived += 1
-        return _Entry(_Recomputed(source, rec, t.shape), compressor, site, t._version, t)
+        told = getattr(compressor, "derived", None)
+        if told is not None:
+            told(t, site, [source.site for source, _ in sources])
+        return _Entry(_Recomputed(sources, rec, t.shape), compressor, site, t._version, t)
 
     def _store_as_is(self, entry: _Entry, t: torch.Tensor) -> None:
         """Turn a compressed entry into the tensor itself, which a later op saves as is.
@@ -554,8 +626,11 @@ class Engine:
         nbytes: int,
         compressor: Compressor | None,
         reason: str,
+        raw: int | None = None,
     ) -> _Entry:
-        row.raw_bytes += nbytes
+        """Store ``t``; ``raw`` is what it adds to stock's bytes (``nbytes``, or 0 when
+        another entry already holds the same tensor in another way)."""
+        row.raw_bytes += nbytes if raw is None else raw
         value: torch.Tensor | Packed = t.detach()
         if compressor is not None:
             try:
@@ -602,7 +677,8 @@ class Engine:
     def _restore(self, entry: _Entry) -> torch.Tensor:
         value = entry.value
         if isinstance(value, _Recomputed):
-            return value.recipe(self._restore(value.source)).view(value.shape)
+            operands = [self._restore(e).reshape(shape) for e, shape in value.sources]
+            return value.recipe(*operands).reshape(value.shape)
         if value is _RELEASED:
             raise CompressionError(
                 f"the {_tensor(entry.site, (), None)} was released when an earlier backward "

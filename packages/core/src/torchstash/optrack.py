@@ -139,6 +139,10 @@ def is_known_op(name: str) -> bool:
     )
 
 
+#: ``callback(func, args, kwargs, result)``, told of a watched call's result
+Watcher = Callable[[Callable[..., Any], Sequence[Any], dict[str, Any], Any], None]
+
+
 class OpState(threading.local):
     """The op running on this thread (empty outside any torch call)."""
 
@@ -153,6 +157,8 @@ class OpState(threading.local):
         self.call_id = 0  # increments at every tracked call
         #: (call id, callback) pairs waiting for that call's result; see :func:`on_result`
         self.waiting: list[tuple[int, Callable[[Any], None]]] = []
+        #: (raw names, callback) pairs told of every such call's result; see :func:`watching`
+        self.watchers: list[tuple[frozenset[str], Watcher]] = []
 
 
 STATE = OpState()
@@ -188,6 +194,11 @@ class OpTracker(TorchFunctionMode):
             state.op, state.raw, state.args, state.kwargs, state.codec = prev
         if state.waiting:
             _deliver(state, call_id, result)
+        if state.watchers:
+            raw = op_names(func)[1]
+            for names, watcher in state.watchers:
+                if raw in names:
+                    watcher(func, args, kwargs, result)
         return result
 
 
@@ -200,6 +211,19 @@ def on_result(callback: Callable[[Any], None]) -> None:
     state = STATE
     if state.op:
         state.waiting.append((state.call_id, callback))
+
+
+@contextlib.contextmanager
+def watching(names: frozenset[str], callback: Watcher) -> Iterator[None]:
+    """Inside the block, ``callback(func, args, kwargs, result)`` after every tracked call
+    whose raw name is in ``names`` (ops that save nothing, such as a ``transpose``, included)."""
+    state = STATE
+    item = (names, callback)
+    state.watchers.append(item)
+    try:
+        yield
+    finally:
+        state.watchers.remove(item)
 
 
 def _deliver(state: OpState, call_id: int, result: Any) -> None:

@@ -15,6 +15,12 @@ measurement). A loss's saved tensor (log-probabilities) goes through ``exp`` in 
 which turns noise into bias (measured: 99 times the 2-bit error at 1 bit); it stays at
 :data:`LOSS_BITS`.
 
+A save the engine recomputes from stored codes (a LayerNorm's or GELU's output, attention's
+output: :mod:`torchstash.derive`) costs no bits but counts in the average, so the budget is
+bits per element autograd saved. Its error is its sources' noise carried through the op:
+each source's estimate gains the consumer's ``K * |G|^2`` times the variance ratio of the
+output to the source (a LayerNorm's ``(w * rstd)**2``, a GELU's mean ``f'**2``, roughly).
+
 Both ingredients come free with a normal step: the group steps are the kernel's output and
 ``|G|^2`` is one reduction in a hook on the op's output. One step in every ``interval`` is
 measured; at the start of the next, bits are re-allocated greedily (the largest error cut
@@ -85,6 +91,11 @@ TERMINAL_KINDS = frozenset({"weight"})
 #: ViT), so one factor would waste bits on ``v`` (measured: the ViT's cosine fell below
 #: uniform's when ``v`` was widened at the linear inputs' expense).
 UNRANKED_KINDS = frozenset({"activation"})
+#: The width of unranked sites per uniform width, when outputs are recomputed: attention at 4
+#: bits below a budget of 4, as ``quant.int2`` stores it (at 2 bits it decides the demo's
+#: final loss). Without recomputation it would leave the linear inputs 1 bit (measured: the
+#: GPT's cosine 0.41), so there they stay at the uniform width.
+UNRANKED_BITS = {2: 4}
 #: The narrowest width of a site whose error travels on, whatever the budget.
 PATH_FLOOR = 2
 #: The width of what a loss saves (see the module docstring).
@@ -100,6 +111,9 @@ class SiteStats:
     unit_var: torch.Tensor | None = None  # mean over elements of range**2 / 6
     grad_sq: torch.Tensor | None = None  # |G|^2 of the op's output
     grads: int = 0
+    variance: torch.Tensor | None = None  # of the saved values (a recomputation's scale)
+    #: a recomputed save: the sites of the codes it is recomputed from
+    sources: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -110,6 +124,8 @@ class Allocation:
     average: float = 0.0
     #: estimated gradient error (squared) per site at its allocated bits
     error: dict[str, float] = field(default_factory=dict)
+    #: elements recomputed from the sites' codes: in the average, at no bits
+    free: int = 0
 
 
 def site_kind(x: torch.Tensor, site: Site) -> tuple[str, int]:
@@ -178,7 +194,11 @@ class AutoQuantizer(BaseCompressor):
         self.interval = interval
         self.codec = GroupQuantizer(candidates[-1], self.group_size, stochastic, seed, name=name)
         self.default_bits = max(b for b in candidates if b <= budget)
+        #: see :data:`UNRANKED_BITS` (set by :func:`~.strategies.auto` with ``derive``)
+        self.unranked_bits: dict[int, int] = {}
         self.stats: dict[str, SiteStats] = {}
+        #: saves recomputed from codes stored here in the measured step (no bits of their own)
+        self.recomputed: dict[str, SiteStats] = {}
         self.allocation = Allocation()
         self.steps = 0
         self._seen: set[str] = set()
@@ -196,7 +216,7 @@ class AutoQuantizer(BaseCompressor):
         self.steps += 1
         if self._measuring:
             self._allocate()
-            self.stats = {}
+            self.stats, self.recomputed = {}, {}
         self._measuring = self.steps % self.interval == self.interval - 1
 
     def _at_least(self, bits: int) -> int:
@@ -246,7 +266,23 @@ class AutoQuantizer(BaseCompressor):
         levels = float(2**width - 1)
         # NaN/Inf groups carry a negative step and are stored exactly: no rounding noise.
         stats.unit_var = step.float().clamp_min(0).square().mean() * (levels * levels / 6)
+        stats.variance = _variance(x)
         self.stats[site.key] = stats
+        self._watch(stats)
+
+    def derived(self, x: torch.Tensor, site: Site, sources: list[Site]) -> None:
+        """A save recomputed from codes stored here (see the module docstring)."""
+        with self._lock:
+            if not self._measuring or x.numel() == 0:
+                return
+        kind, contraction = site_kind(x, site)
+        stats = SiteStats(x.numel(), kind, contraction, sources=tuple(s.key for s in sources))
+        stats.variance = _variance(x)
+        self.recomputed[site.key] = stats
+        self._watch(stats)
+
+    def _watch(self, stats: SiteStats) -> None:
+        """Sum ``|G|^2`` of the running op's output into ``stats`` in the backward."""
 
         def watch(result: object) -> None:
             out = result[0] if isinstance(result, (tuple, list)) and result else result
@@ -274,10 +310,35 @@ class AutoQuantizer(BaseCompressor):
             * PATH_FACTOR[stats.kind]
         )
 
+    def _carried(self, measured: dict[str, SiteStats]) -> dict[str, float]:
+        """Per source site, the estimated error its code causes in the saves recomputed from
+        it (at one level, like :meth:`sensitivity`)."""
+        extra: dict[str, float] = {}
+        for r in self.recomputed.values():
+            if r.grad_sq is None or r.variance is None or not r.sources:
+                continue
+            for key in r.sources:
+                src = measured.get(key)
+                if src is None or src.unit_var is None or src.variance is None:
+                    continue
+                gain = float(r.variance) / max(float(src.variance), 1e-30) / len(r.sources)
+                extra[key] = extra.get(key, 0.0) + (
+                    float(src.unit_var)
+                    * gain
+                    * r.contraction
+                    * float(r.grad_sq)
+                    * PATH_FACTOR[r.kind]
+                )
+        return extra
+
     def _allocate(self) -> None:
         measured = {k: s for k, s in self.stats.items() if s.grads > 0 or s.pinned}
+        sources = {k for r in self.recomputed.values() for k in r.sources}
+        measured.update({k: s for k, s in self.stats.items() if k in sources})
         if not measured:
             return
+        carried = self._carried(measured)
+        free = sum(r.numel for r in self.recomputed.values())
         # Sites whose error travels on never go below the uniform width: their path factors
         # are the smallest measured across the zoo (the ViT's are 10 to 80 times the GPT's),
         # so the estimate is trusted to raise them, not to lower them.
@@ -289,9 +350,13 @@ class AutoQuantizer(BaseCompressor):
                 needs[k] = Need(s.numel, 0.0, loss, ceiling=loss)
             else:
                 low = self.candidates[0] if s.kind in TERMINAL_KINDS else floor
-                high = floor if s.kind in UNRANKED_KINDS else self.candidates[-1]
-                needs[k] = Need(s.numel, self.sensitivity(s), low, ceiling=high)
-        self.allocation = allocate(needs, self.candidates, self.budget)
+                high = self.candidates[-1]
+                if s.kind in UNRANKED_KINDS:
+                    width = self.unranked_bits.get(floor, floor)
+                    low = high = self._at_least(max(floor, width))
+                sens = self.sensitivity(s) + carried.get(k, 0.0)
+                needs[k] = Need(s.numel, sens, low, ceiling=high)
+        self.allocation = allocate(needs, self.candidates, self.budget, free=free)
 
 
 #: At one bit the two levels are the group's ends, and the rounding variance is
@@ -299,6 +364,12 @@ class AutoQuantizer(BaseCompressor):
 #: (measured on the GPT: a linear input's error at 1 bit is 11.7 times its 2-bit error, 9
 #: by step**2 alone).
 ONE_BIT_EXCESS = 1.3
+
+
+def _variance(x: torch.Tensor) -> torch.Tensor:
+    """The variance of ``x``'s finite values (a NaN/Inf group would make it meaningless)."""
+    x = x.detach().float()
+    return torch.where(x.isfinite(), x, 0.0).var() if x.numel() > 1 else x.new_zeros(())
 
 
 def level_error(sensitivity: float, bits: int) -> float:
@@ -316,9 +387,12 @@ class Need:
     ceiling: int = 8  # the widest
 
 
-def allocate(sites: dict[str, Need], candidates: tuple[int, ...], budget: float) -> Allocation:
+def allocate(
+    sites: dict[str, Need], candidates: tuple[int, ...], budget: float, free: int = 0
+) -> Allocation:
     """Bits for ``sites`` with the least total estimated error, the average within ``budget``
-    (floors above the budget win over it).
+    (floors above the budget win over it); ``free`` more elements count in the average at no
+    bits (saves recomputed from the sites' codes).
 
     Widths come in chunks (a site goes from 2 to 4 bits at once), so one greedy order can
     strand budget; several starts are each filled greedily and the best is kept: the floors,
@@ -326,7 +400,7 @@ def allocate(sites: dict[str, Need], candidates: tuple[int, ...], budget: float)
     choices of a sweep of Lagrange multipliers (error + price * bits, per site); then pairs of
     one widening paid for by one narrowing are tried until none helps.
     """
-    total = sum(need.numel for need in sites.values())
+    total = sum(need.numel for need in sites.values()) + free
     limit = budget * total
     allowed = {
         k: [b for b in candidates if need.floor <= b <= max(need.floor, need.ceiling)]
@@ -357,6 +431,7 @@ def allocate(sites: dict[str, Need], candidates: tuple[int, ...], budget: float)
         bits=best,
         average=spent / total if total else 0.0,
         error={k: level_error(sites[k].sensitivity, b) for k, b in best.items()},
+        free=free,
     )
 
 

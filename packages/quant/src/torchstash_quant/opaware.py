@@ -2,7 +2,8 @@
 
 Every ``quant.*`` strategy is an :class:`OpAware` around its value codec, so a ReLU's result
 costs one exact bit whatever the bit width, and a dropout mask one bit (bool masks: instead
-of a byte; the scaled float mask CPU dropout saves: instead of four bytes).
+of a byte; the scaled float mask CPU dropout saves: instead of four bytes), and a 2-d max
+pool's indices 4 bits (the argmax's offset in its window: :mod:`.pool`) instead of 64.
 Inputs of normalization ops (LayerNorm, GroupNorm, RMSNorm, BatchNorm): their backward
 normalizes the saved input again, so a group must not mix two rows' scales. A value codec
 that takes a per-tensor ``group_size`` gets groups aligned to the normalized rows
@@ -46,6 +47,8 @@ from .masks import (
     unpack_scaled_mask,
     unpack_sign,
 )
+from .pool import CODEC as POOL_CODEC
+from .pool import POOL_FUNCS, pack_pool_offsets, pool_geometry, unpack_pool_offsets
 from .rows import aligned_group_size, channel_major_run, normalized_run
 
 #: Ops whose backward amplifies an error in their saved input (it is normalized again).
@@ -122,6 +125,8 @@ class OpAware(BaseCompressor):
     def variant(self, x: torch.Tensor, site: Site) -> str:
         if x.dtype == torch.bool:
             return "bool"
+        if site.func in POOL_FUNCS and site.role == "output" and x.dtype == torch.int64:
+            return "pool"
         if site.op in SIGN_OPS and x.is_floating_point():
             return "sign"
         if site.op in DROPOUT_OPS and site.role == "output" and x.is_floating_point():
@@ -156,7 +161,13 @@ class OpAware(BaseCompressor):
     def derivable(self, x: torch.Tensor, site: Site) -> bool:
         """Whether ``x``'s code may stand in for the op's output too (its values, not a
         derivative or a sign code): the engine then recomputes that output from it."""
-        return self.derive and self.variant(x, site) in ("", "norm", "act")
+        return self.derive and self.variant(x, site) in ("", "norm", "act", "attn")
+
+    def derived(self, x: torch.Tensor, site: Site, sources: list[Site]) -> None:
+        """A save recomputed from codes stored here: the value codec's budget counts it."""
+        told = getattr(self.values, "derived", None)
+        if told is not None:
+            told(x, site, sources)
 
     def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
         kind = self.variant(x, site)
@@ -181,6 +192,10 @@ class OpAware(BaseCompressor):
             return pack_sign(x)
         if kind == "dropmask":
             return pack_scaled_mask(x)
+        if kind == "pool":
+            geometry = pool_geometry(STATE.args, STATE.kwargs)
+            packed = None if geometry is None else pack_pool_offsets(x, geometry)
+            return x if packed is None else packed
         if kind == "deriv":
             assert self.derivs is not None
             return self.derivs.pack(x, site)
@@ -221,6 +236,8 @@ class OpAware(BaseCompressor):
             return unpack_scaled_mask(packed)
         if packed.codec == DERIV_CODEC:
             return unpack_derivative(packed)
+        if packed.codec == POOL_CODEC:
+            return unpack_pool_offsets(packed)
         if packed.meta.get("channel_major"):
             shape = packed.shape
             swapped = replace(packed, shape=torch.Size([shape[1], shape[0], *shape[2:]]))
