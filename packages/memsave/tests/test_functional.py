@@ -23,7 +23,6 @@ from torch import nn
 from torchstash.testing.bits import assert_bits_equal
 from torchstash_memsave import functional as MF
 from torchstash_memsave.functional import _standin
-from torchstash_memsave.functional.pool import window_bits
 
 Pattern = tuple[bool, bool, bool]  # requires_grad of (input, weight, bias)
 Less = Callable[[Pattern, bool, torch.dtype], bool]  # (pattern, training, dtype) -> strictly less
@@ -767,20 +766,6 @@ def test_standins_keep_the_layout() -> None:
     )
     assert _standin.suggest_memory_format(torch.randn(2, 3, 4, 5)) == torch.contiguous_format
     assert _standin.suggest_memory_format(torch.randn(2, 1, 1, 1)) == torch.contiguous_format
-
-
-def test_window_bits() -> None:
-    assert [window_bits(k) for k in (1, 2, 3, 4, 9, 16, 17, 256, 257)] == [
-        1,
-        1,
-        2,
-        2,
-        4,
-        4,
-        8,
-        8,
-        None,
-    ]
 
 
 # -- CUDA (the cuDNN/fused code paths; tolerances where cuDNN picks its own reduction order) ----

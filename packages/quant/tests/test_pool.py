@@ -1,4 +1,5 @@
-"""Max-pool indices stored as window offsets (``torchstash_quant.pool``): exact, and small."""
+"""Max-pool indices stored as positions in their windows (``torchstash_quant.pool``): exact,
+and small."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchstash as ts
-from torchstash_quant.pool import pack_pool_offsets, pool_geometry, unpack_pool_offsets
+from torchstash.windows import window_bits
+from torchstash_quant.pool import pack_pool_positions, pool_geometry, unpack_pool_positions
 
 CASES = [
     dict(kernel_size=3, stride=2, padding=1),  # ResNet's stem
@@ -16,13 +18,13 @@ CASES = [
     dict(kernel_size=(2, 3), stride=(1, 2), padding=(1, 0)),
     dict(kernel_size=3, stride=1, padding=1, dilation=2),
     dict(kernel_size=3, stride=2, ceil_mode=True),
-    dict(kernel_size=5, stride=3, padding=2),  # 25 offsets: 8 bits
+    dict(kernel_size=5, stride=3, padding=2),  # 25 positions: 8 bits
 ]
 
 
 @pytest.mark.parametrize("options", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 @pytest.mark.parametrize("shape", [(2, 3, 17, 14), (3, 12, 11)], ids=["batched", "unbatched"])
-def test_offsets_restore_the_indices_exactly(
+def test_positions_restore_the_indices_exactly(
     options: dict[str, object], shape: tuple[int, ...]
 ) -> None:
     x = torch.randn(shape)
@@ -30,10 +32,11 @@ def test_offsets_restore_the_indices_exactly(
     _, indices = F.max_pool2d(x, return_indices=True, **options)  # type: ignore[arg-type]
     geometry = pool_geometry((x,), dict(options))
     assert geometry is not None
-    packed = pack_pool_offsets(indices, geometry)
+    packed = pack_pool_positions(indices, geometry)
     assert packed is not None
-    assert torch.equal(unpack_pool_offsets(packed), indices)
-    bits = 4 if geometry[2] * geometry[3] <= 16 else 8
+    assert torch.equal(unpack_pool_positions(packed), indices)
+    bits = window_bits(geometry[2] * geometry[3])
+    assert bits == {4: 2, 6: 4, 9: 4, 25: 8}[geometry[2] * geometry[3]]
     assert packed.nbytes() <= -(-indices.numel() * bits // 8) + 8
 
 
@@ -42,7 +45,7 @@ def test_indices_outside_their_window_are_left_as_they_are() -> None:
     _, indices = F.max_pool2d(x, 2, return_indices=True)
     geometry = pool_geometry((x, 2), {})
     assert geometry is not None
-    assert pack_pool_offsets(indices.flip(-1), geometry) is None  # another window's argmax
+    assert pack_pool_positions(indices.flip(-1), geometry) is None  # another window's argmax
 
 
 def test_unreadable_arguments_have_no_geometry() -> None:

@@ -3,7 +3,8 @@
 Every ``quant.*`` strategy is an :class:`OpAware` around its value codec, so a ReLU's result
 costs one exact bit whatever the bit width, and a dropout mask one bit (bool masks: instead
 of a byte; the scaled float mask CPU dropout saves: instead of four bytes), and a 2-d max
-pool's indices 4 bits (the argmax's offset in its window: :mod:`.pool`) instead of 64.
+pool's indices 4 bits or fewer (the argmax's position in its window: :mod:`.pool`) instead
+of 64.
 Inputs of normalization ops (LayerNorm, GroupNorm, RMSNorm, BatchNorm): their backward
 normalizes the saved input again, so a group must not mix two rows' scales. A value codec
 that takes a per-tensor ``group_size`` gets groups aligned to the normalized rows
@@ -48,7 +49,7 @@ from .masks import (
     unpack_sign,
 )
 from .pool import CODEC as POOL_CODEC
-from .pool import POOL_FUNCS, pack_pool_offsets, pool_geometry, unpack_pool_offsets
+from .pool import POOL_FUNCS, pack_pool_positions, pool_geometry, unpack_pool_positions
 from .rows import aligned_group_size, channel_major_run, normalized_run
 
 #: Ops whose backward amplifies an error in their saved input (it is normalized again).
@@ -194,7 +195,7 @@ class OpAware(BaseCompressor):
             return pack_scaled_mask(x)
         if kind == "pool":
             geometry = pool_geometry(STATE.args, STATE.kwargs)
-            packed = None if geometry is None else pack_pool_offsets(x, geometry)
+            packed = None if geometry is None else pack_pool_positions(x, geometry)
             return x if packed is None else packed
         if kind == "deriv":
             assert self.derivs is not None
@@ -237,7 +238,7 @@ class OpAware(BaseCompressor):
         if packed.codec == DERIV_CODEC:
             return unpack_derivative(packed)
         if packed.codec == POOL_CODEC:
-            return unpack_pool_offsets(packed)
+            return unpack_pool_positions(packed)
         if packed.meta.get("channel_major"):
             shape = packed.shape
             swapped = replace(packed, shape=torch.Size([shape[1], shape[0], *shape[2:]]))

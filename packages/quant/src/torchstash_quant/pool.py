@@ -1,14 +1,13 @@
-"""Max-pool indices as window offsets: a 3x3 window's argmax in 4 bits instead of 64.
+"""Max-pool indices as positions in their windows: a 3x3 window's argmax in 4 bits, not 64.
 
-A 2-d max pool saves, besides its input, the flat position (int64) of each output's maximum
-in its input plane. The window an output reads is fixed by the pool's kernel, stride, padding
-and dilation, so that position is the window's origin plus one of ``kh * kw`` offsets: stored
-as the offset, in 4 bits for windows of up to 16 elements (8 bits up to 256), exactly. On
-ResNet's stem pool the indices are as large as the pool's output at fp64; they were a fifth
-of everything ``quant.int8`` kept on the bench zoo's ResNet.
+A 2-d max pool saves, besides its input, the flat index (int64) of each output's maximum in
+its input plane. Read with the pool's kernel, stride, padding and dilation (from the call's
+arguments), each index is stored as its position inside its window, packed at
+:func:`~torchstash.windows.window_bits` bits (2x2: 2 bits, 3x3: 4), exactly. On the bench
+zoo's ResNet the stem pool's indices were a fifth of everything ``quant.int8`` kept.
 
-Compressing checks every offset falls inside its window (one reduction; on CUDA, one host
-synchronisation): indices that do not (a pool this module misreads) are left as they are.
+Compressing checks the positions give the indices back (one comparison; on CUDA, one host
+synchronisation per pool): indices this module misreads are left as they are.
 """
 
 from __future__ import annotations
@@ -20,11 +19,13 @@ import torch
 
 from torchstash.kernels import pack_bits, unpack_bits
 from torchstash.packed import Packed
+from torchstash.windows import decode_positions, encode_positions, window_bits, window_starts
 
 #: Raw function names of the 2-d max pool whose indices this code stores.
 POOL_FUNCS = frozenset({"max_pool2d", "max_pool2d_with_indices"})
-CODEC = "quant.pool_offsets"
+CODEC = "quant.pool_positions"
 
+#: (H, W, kernel h, kernel w, stride h, stride w, padding h, padding w, dilation h, dilation w)
 Geometry = tuple[int, int, int, int, int, int, int, int, int, int]
 
 
@@ -43,8 +44,8 @@ def _pair(value: Any, default: tuple[int, int]) -> tuple[int, int] | None:
 
 
 def pool_geometry(args: Sequence[Any], kwargs: dict[str, Any]) -> Geometry | None:
-    """(H, W, kh, kw, sh, sw, ph, pw, dh, dw) of the running ``max_pool2d`` call, or None
-    when its arguments are not plain integers."""
+    """The :data:`Geometry` of the running ``max_pool2d`` call, or None when its arguments are
+    not plain integers."""
 
     def arg(name: str, pos: int, default: Any = None) -> Any:
         if name in kwargs:
@@ -62,52 +63,31 @@ def pool_geometry(args: Sequence[Any], kwargs: dict[str, Any]) -> Geometry | Non
     dilation = _pair(arg("dilation", 4, 1), (1, 1))
     if stride is None or padding is None or dilation is None:
         return None
-    h, w = int(x.shape[-2]), int(x.shape[-1])
-    return (h, w, *kernel, *stride, *padding, *dilation)
+    return (int(x.shape[-2]), int(x.shape[-1]), *kernel, *stride, *padding, *dilation)
 
 
-def _origins(
-    shape: torch.Size, g: Sequence[int], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    sh, sw, ph, pw = g[4:8]
-    oy = torch.arange(shape[-2], device=device).view(-1, 1) * sh - ph
-    ox = torch.arange(shape[-1], device=device).view(1, -1) * sw - pw
-    return oy, ox
+def _window(shape: torch.Size, g: Sequence[int], device: torch.device) -> tuple[Any, ...]:
+    """(input plane sizes, window starts, kernel, dilation) for indices of ``shape``."""
+    return (g[0:2], window_starts(shape[-2:], g[4:6], g[6:8], device), g[2:4], g[8:10])
 
 
-def pack_pool_offsets(indices: torch.Tensor, g: Geometry) -> Packed | None:
-    """``indices`` as window offsets, or None when the window is too large or an index lies
-    outside its window."""
-    h, w, kh, kw, _, _, _, _, dh, dw = g
-    window = kh * kw
-    bits = 4 if window <= 16 else 8 if window <= 256 else 0
-    if not bits or indices.dim() < 2:
+def pack_pool_positions(indices: torch.Tensor, g: Geometry) -> Packed | None:
+    """``indices`` as positions in their windows, or None when a window holds more than 256
+    positions or the positions do not give the indices back."""
+    bits = window_bits(g[2] * g[3])
+    if bits is None or indices.dim() < 2:
         return None
-    oy, ox = _origins(indices.shape, g, indices.device)
-    ry, rx = indices.div(w, rounding_mode="floor") - oy, indices.remainder(w) - ox
-    dy, dx = ry.div(dh, rounding_mode="floor"), rx.div(dw, rounding_mode="floor")
-    inside = (
-        ((ry == dy * dh) & (rx == dx * dw) & (dy >= 0) & (dy < kh) & (dx >= 0) & (dx < kw))
-        & (indices >= 0)
-        & (indices < h * w)
-    )
-    if not bool(inside.all()):
+    window = _window(indices.shape, g, indices.device)
+    code = encode_positions(indices, *window)
+    if not torch.equal(decode_positions(code, *window), indices):
         return None
-    codes = (dy * kw + dx).to(torch.uint8)
-    packed = Packed.like(indices, CODEC, codes=pack_bits(codes, bits))
+    packed = Packed.like(indices, CODEC, codes=pack_bits(code, bits))
     packed.meta.update(bits=bits, geometry=g)
     return packed
 
 
-def unpack_pool_offsets(packed: Packed) -> torch.Tensor:
-    codes = packed.tensors["codes"]
-    assert isinstance(codes, torch.Tensor)
-    g = packed.meta["geometry"]
-    assert isinstance(g, tuple) and len(g) == 10
-    _, w, _, kw, _, _, _, _, dh, dw = g
-    bits = packed.meta["bits"]
-    assert isinstance(bits, int)
-    offsets = unpack_bits(codes, bits, packed.numel).view(packed.shape).to(torch.int64)
-    oy, ox = _origins(packed.shape, g, codes.device)
-    dy, dx = offsets.div(kw, rounding_mode="floor"), offsets.remainder(kw)
-    return (oy + dy * dh) * w + (ox + dx * dw)
+def unpack_pool_positions(packed: Packed) -> torch.Tensor:
+    codes, g, bits = packed.tensors["codes"], packed.meta["geometry"], packed.meta["bits"]
+    assert isinstance(codes, torch.Tensor) and isinstance(g, tuple) and isinstance(bits, int)
+    code = unpack_bits(codes, bits, packed.numel).view(packed.shape)
+    return decode_positions(code, *_window(packed.shape, g, codes.device))

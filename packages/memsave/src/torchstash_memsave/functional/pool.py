@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from torchstash.windows import decode_positions, encode_positions, window_bits, window_starts
+
 from ._standin import Layout, expand, needs_graph, pack_codes, standin, unpack_codes
 
 __all__ = [
@@ -56,83 +58,6 @@ _ADAPTIVE_BACKWARD = {
 }
 
 
-def window_bits(window: int) -> int | None:
-    """The packed width (1, 2, 4 or 8 bits) of an in-window position, None over 256."""
-    for bits in (1, 2, 4, 8):
-        if window <= 1 << bits:
-            return bits
-    return None
-
-
-def _starts(
-    out_sizes: Sequence[int], stride: Sequence[int], padding: Sequence[int], device: torch.device
-) -> list[torch.Tensor]:
-    """Per spatial dim, each output position's window start, shaped to broadcast."""
-    nd = len(out_sizes)
-    starts = []
-    for i, size in enumerate(out_sizes):
-        start = torch.arange(size, device=device) * stride[i] - padding[i]
-        starts.append(start.view([size] + [1] * (nd - 1 - i)))
-    return starts
-
-
-def _window_offsets(
-    in_sizes: Sequence[int], kernel: Sequence[int], dilation: Sequence[int]
-) -> list[int]:
-    """Flat-plane offset of each in-window position (row-major over the window)."""
-    plane = [math.prod(in_sizes[i + 1 :]) for i in range(len(in_sizes))]
-    offsets = [0]
-    for i in range(len(kernel)):
-        offsets = [o + j * dilation[i] * plane[i] for o in offsets for j in range(kernel[i])]
-    return offsets
-
-
-def _window_base(in_sizes: Sequence[int], starts: list[torch.Tensor]) -> torch.Tensor:
-    """Flat-plane index of each window's first position (broadcast over the outputs)."""
-    base: torch.Tensor | None = None
-    for i, start in enumerate(starts):
-        term = start * math.prod(in_sizes[i + 1 :])
-        base = term if base is None else base + term
-    assert base is not None
-    return base
-
-
-def _encode(
-    indices: torch.Tensor,
-    in_sizes: Sequence[int],
-    starts: list[torch.Tensor],
-    kernel: Sequence[int],
-    dilation: Sequence[int],
-) -> torch.Tensor:
-    """Flat spatial indices -> row-major positions inside their windows.
-
-    An index minus its window's first position is one of the window's offsets; a table from
-    offset to position replaces per-element division (one subtraction and one gather).
-    """
-    offsets = _window_offsets(in_sizes, kernel, dilation)
-    low = min(offsets)
-    dtype = torch.uint8 if len(offsets) <= 256 else torch.int16
-    device = indices.device
-    table = torch.zeros(max(offsets) - low + 1, dtype=dtype, device=device)
-    table[torch.tensor([o - low for o in offsets], device=device)] = torch.arange(
-        len(offsets), dtype=dtype, device=device
-    )
-    return table[indices - _window_base(in_sizes, starts) - low]
-
-
-def _decode(
-    code: torch.Tensor,
-    in_sizes: Sequence[int],
-    starts: list[torch.Tensor],
-    kernel: Sequence[int],
-    dilation: Sequence[int],
-) -> torch.Tensor:
-    """Row-major positions inside windows -> flat spatial indices (int64): the window's first
-    position plus the position's offset, looked up."""
-    offsets = torch.tensor(_window_offsets(in_sizes, kernel, dilation), device=code.device)
-    return _window_base(in_sizes, starts) + offsets[code.long()]
-
-
 class MaxPoolFunction(torch.autograd.Function):
     """``aten.max_pool{2,3}d_with_indices`` keeping only the in-window position of each max.
 
@@ -165,8 +90,8 @@ class MaxPoolFunction(torch.autograd.Function):
         if window > 2**15 - 1:  # keep stock's indices (still not the input)
             ctx.save_for_backward(indices)
             return out, indices
-        starts = _starts(ctx.out_sizes, stride, padding, x.device)
-        code = _encode(indices, x.shape[-nd:], starts, kernel, dilation)
+        starts = window_starts(ctx.out_sizes, stride, padding, x.device)
+        code = encode_positions(indices, x.shape[-nd:], starts, kernel, dilation)
         if bits is None:
             ctx.save_for_backward(code.to(torch.int16))
             ctx.code = (None, tuple(code.shape), None)
@@ -192,8 +117,8 @@ class MaxPoolFunction(torch.autograd.Function):
         else:
             bits, shape, inverse = ctx.code
             code = saved if bits is None else unpack_codes(saved, bits, shape, inverse)
-            starts = _starts(ctx.out_sizes, stride, padding, grad.device)
-            indices = _decode(code, ctx.layout.shape[-nd:], starts, kernel, dilation)
+            starts = window_starts(ctx.out_sizes, stride, padding, grad.device)
+            indices = decode_positions(code, ctx.layout.shape[-nd:], starts, kernel, dilation)
         x = standin(ctx.layout, sizes_only=True)
         gx = _MAX_POOL_BACKWARD[nd](grad, x, kernel, stride, padding, dilation, ceil_mode, indices)
         return gx, None, None, None, None, None

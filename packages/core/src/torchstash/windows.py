@@ -1,0 +1,95 @@
+"""Max-pool indices as positions inside their windows: a 3x3 window's argmax in 4 bits, not 64.
+
+A max pool saves, for its backward, the flat index (int64) of each output's maximum in the
+input plane. The window each output reads is fixed by the pool's kernel, stride, padding and
+dilation, so that index is the window's first position plus one of ``prod(kernel)`` offsets;
+the position among them fits in :func:`window_bits` bits. Shared by the plug-ins that store
+pool indices (memsave's pooling layers, quant's op-aware codes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+def window_bits(window: int) -> int | None:
+    """The packed width (1, 2, 4 or 8 bits) of an in-window position, None over 256."""
+    for bits in (1, 2, 4, 8):
+        if window <= 1 << bits:
+            return bits
+    return None
+
+
+def window_starts(
+    out_sizes: Sequence[int], stride: Sequence[int], padding: Sequence[int], device: torch.device
+) -> list[torch.Tensor]:
+    """Per spatial dim, each output position's window start, shaped to broadcast."""
+    nd = len(out_sizes)
+    starts = []
+    for i, size in enumerate(out_sizes):
+        start = torch.arange(size, device=device) * stride[i] - padding[i]
+        starts.append(start.view([size] + [1] * (nd - 1 - i)))
+    return starts
+
+
+def _window_offsets(
+    in_sizes: Sequence[int], kernel: Sequence[int], dilation: Sequence[int]
+) -> list[int]:
+    """Flat-plane offset of each in-window position (row-major over the window)."""
+    plane = [math.prod(in_sizes[i + 1 :]) for i in range(len(in_sizes))]
+    offsets = [0]
+    for i in range(len(kernel)):
+        offsets = [o + j * dilation[i] * plane[i] for o in offsets for j in range(kernel[i])]
+    return offsets
+
+
+def _window_base(in_sizes: Sequence[int], starts: list[torch.Tensor]) -> torch.Tensor:
+    """Flat-plane index of each window's first position (broadcast over the outputs)."""
+    base: torch.Tensor | None = None
+    for i, start in enumerate(starts):
+        term = start * math.prod(in_sizes[i + 1 :])
+        base = term if base is None else base + term
+    assert base is not None
+    return base
+
+
+def encode_positions(
+    indices: torch.Tensor,
+    in_sizes: Sequence[int],
+    starts: list[torch.Tensor],
+    kernel: Sequence[int],
+    dilation: Sequence[int],
+) -> torch.Tensor:
+    """Flat spatial indices -> row-major positions inside their windows (uint8, or int16 over
+    256 positions).
+
+    An index minus its window's first position is one of the window's offsets; a table from
+    offset to position replaces per-element division (one subtraction and one gather). An
+    index outside its window gets some position, never an error: a caller that cannot trust
+    the indices checks :func:`decode_positions` gives them back.
+    """
+    offsets = _window_offsets(in_sizes, kernel, dilation)
+    low = min(offsets)
+    dtype = torch.uint8 if len(offsets) <= 256 else torch.int16
+    device = indices.device
+    table = torch.zeros(max(offsets) - low + 1, dtype=dtype, device=device)
+    table[torch.tensor([o - low for o in offsets], device=device)] = torch.arange(
+        len(offsets), dtype=dtype, device=device
+    )
+    return table[(indices - _window_base(in_sizes, starts) - low).clamp_(0, table.numel() - 1)]
+
+
+def decode_positions(
+    code: torch.Tensor,
+    in_sizes: Sequence[int],
+    starts: list[torch.Tensor],
+    kernel: Sequence[int],
+    dilation: Sequence[int],
+) -> torch.Tensor:
+    """Row-major positions inside windows -> flat spatial indices (int64): the window's first
+    position plus the position's offset, looked up."""
+    offsets = torch.tensor(_window_offsets(in_sizes, kernel, dilation), device=code.device)
+    return _window_base(in_sizes, starts) + offsets[code.long()]

@@ -1,0 +1,62 @@
+"""Max-pool indices as positions in their windows (``torchstash.windows``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchstash.windows import decode_positions, encode_positions, window_bits, window_starts
+
+POOLS = {2: F.max_pool2d, 3: F.max_pool3d}
+
+
+@pytest.mark.parametrize(
+    ("nd", "kernel", "stride", "padding", "dilation"),
+    [
+        (2, (3, 3), (2, 2), (1, 1), (1, 1)),
+        (2, (2, 3), (1, 2), (1, 0), (2, 1)),
+        (3, (2, 2, 2), (2, 2, 2), (0, 0, 0), (1, 1, 1)),
+        (2, (17, 17), (1, 1), (8, 8), (1, 1)),  # 289 positions: int16
+    ],
+)
+def test_positions_round_trip(
+    nd: int,
+    kernel: tuple[int, ...],
+    stride: tuple[int, ...],
+    padding: tuple[int, ...],
+    dilation: tuple[int, ...],
+) -> None:
+    x = torch.randn(2, 3, *([19] * nd))
+    _, indices = POOLS[nd](x, kernel, stride, padding, dilation, return_indices=True)
+    starts = window_starts(indices.shape[-nd:], stride, padding, x.device)
+    code = encode_positions(indices, x.shape[-nd:], starts, kernel, dilation)
+    window = 1
+    for k in kernel:
+        window *= k
+    assert int(code.max()) < window
+    assert code.dtype == (torch.uint8 if window <= 256 else torch.int16)
+    assert torch.equal(decode_positions(code, x.shape[-nd:], starts, kernel, dilation), indices)
+
+
+def test_an_index_outside_its_window_does_not_come_back() -> None:
+    x = torch.randn(1, 1, 8, 8)
+    _, indices = F.max_pool2d(x, 2, return_indices=True)
+    wrong = indices.flip(-1)  # each index now belongs to another window
+    starts = window_starts(wrong.shape[-2:], (2, 2), (0, 0), x.device)
+    code = encode_positions(wrong, (8, 8), starts, (2, 2), (1, 1))  # no error
+    assert not torch.equal(decode_positions(code, (8, 8), starts, (2, 2), (1, 1)), wrong)
+
+
+def test_window_bits() -> None:
+    assert [window_bits(k) for k in (1, 2, 3, 4, 9, 16, 17, 256, 257)] == [
+        1,
+        1,
+        2,
+        2,
+        4,
+        4,
+        8,
+        8,
+        None,
+    ]
