@@ -173,6 +173,45 @@ def test_tensor_held_two_ways_counts_once_in_raw(toy_strategies: list[str]) -> N
     assert h.tally.stored_bytes == 2 * act + act // 2
 
 
+def test_constant_saved_by_an_autograd_function_is_kept_exact(toy_strategies: list[str]) -> None:
+    """A reentrant checkpoint saves its block's inputs with ``save_for_backward``, where no op
+    is seen: a lossy code takes the activation, but the attention mask (no gradient) stays
+    exact, since a group code of 0 and finfo.min does not come back as either."""
+    from torch.utils.checkpoint import checkpoint
+
+    from torchstash.engine import CONSTANT_REASON
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def block(self, h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+            return (self.lin(h) + m).softmax(-1)
+
+        def forward(self, h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.block, h * 1, m, use_reentrant=True)
+
+    model = Checkpointed()
+    x = torch.randn(32, 64, requires_grad=True)
+    mask = torch.zeros(32, 64)
+    mask[:, 32:] = torch.finfo(torch.float32).min
+
+    def grad() -> torch.Tensor:
+        x.grad = None
+        model(x, mask).square().sum().backward()
+        assert x.grad is not None
+        return x.grad.clone()
+
+    want = grad()
+    with ts.apply(model, "test.half", min_bytes=0) as h:
+        got = grad()
+    rows = h.tally.rows.values()
+    assert sum(r.declined[CONSTANT_REASON] for r in rows) == 1  # the mask
+    assert sum(r.compressed for r in rows) >= 1  # the block's input
+    torch.testing.assert_close(got, want, rtol=0.05, atol=1e-4)
+
+
 def test_shared_module_called_twice(recorder: Recorder) -> None:
     lin = nn.Linear(16, 16)
     model = nn.Sequential(lin, nn.GELU(), lin)

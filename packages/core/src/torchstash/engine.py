@@ -34,6 +34,15 @@ _Sources = tuple[tuple["weakref.ref[_Entry]", torch.Size], ...]
 #: Tensors smaller than this are stored as they are: compressing them saves nothing worth a kernel.
 DEFAULT_MIN_BYTES = 1024
 
+#: Why a tensor that needs no gradient, saved where no op is seen (an autograd Function's
+#: ``save_for_backward``: a reentrant checkpoint's block inputs), is kept exact by lossy
+#: strategies: such constants are masks (0 and the dtype's minimum, which no group code holds)
+#: and rotary tables, shared by every block, so stored once anyway.
+CONSTANT_REASON = (
+    "a constant (no gradient) saved by an autograd Function: kept exact, as an attention "
+    "mask or a rotary table must be"
+)
+
 #: Errors a compressor raises that keep their type (a note is added): users catch these by type
 #: (an out-of-memory back-off, ``TORCHSTASH_KERNELS=require``); anything else is wrapped in a
 #: :class:`CompressionError` that names the strategy, the compressor, the module and the tensor.
@@ -613,6 +622,8 @@ class Engine:
         compressor = self.resolve(site, self._types(site))
         if compressor is None:
             return None, ""
+        if not site.op and not t.requires_grad and not compressor.lossless:
+            return None, CONSTANT_REASON
         reasons = compressor.unsupported(t, site)
         if reasons:
             return None, "; ".join(reasons)
