@@ -141,6 +141,25 @@ def test_exact_methods_give_stock_gradients(result: compare.CompareResult) -> No
             assert all(torch.equal(g, r) for g, r in zip(grads, ref, strict=True)), name
 
 
+def test_checkpoint_with_a_strategy_codes_the_block_inputs(half: str) -> None:
+    """``checkpoint+<strategy>``: reentrant checkpointing keeps the block inputs through
+    ``save_for_backward``, where the strategy codes them (bf16 here: half checkpoint's bytes
+    on the transformers), and the gradients stay close to stock's."""
+    combo = f"{CHECKPOINT}+{half}"
+    res = compare.run_compare(
+        scale="tiny",
+        names=[CHECKPOINT, combo],
+        device="cpu",
+        repeat=1,
+        demo_steps=0,
+        console=_quiet(),
+    )
+    for model in ("gpt", "vit"):
+        ckpt, both = _row(res, model, CHECKPOINT), _row(res, model, combo)
+        assert both["error"] is None and both["grad_error"] < 0.01, both
+        assert both["saved_bytes"] <= 0.55 * ckpt["saved_bytes"], (both, ckpt)
+
+
 def test_the_count_sees_checkpointed_block_inputs() -> None:
     """Non-reentrant checkpointing keeps each block's input through autograd: the hook sees
     exactly those (and what is saved outside the blocks)."""

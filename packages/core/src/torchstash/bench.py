@@ -397,8 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--compare",
         action="store_true",
-        help="run stock, checkpoint, sac, save_on_cpu, compile-budget and the strategies on "
-        "the zoo and the demo task (--strategies may name any of them)",
+        help="run stock, checkpoint, sac, save_on_cpu, compile-budget, the strategies and "
+        "checkpoint+quant.int8 on the zoo and the demo task (--strategies may name any of "
+        "them, and checkpoint+STRATEGY for any strategy)",
     )
     c.add_argument("--models", type=split_names, default=None, help="e.g. gpt,vit (default: all)")
     c.add_argument(

@@ -12,7 +12,12 @@ model built from the same seed:
   already live on the host, so it moves nothing: it saves device memory only on an accelerator;
 - ``compile-budget``: ``torch.compile`` with ``torch._functorch.config.activation_memory_budget``
   (default 0.5): the partitioner recomputes what it must to keep that fraction of activations;
-- each torchstash strategy.
+- each torchstash strategy;
+- ``checkpoint+<strategy>`` (default: ``checkpoint+quant.int8`` where installed): reentrant
+  checkpointing around each repeated block, which keeps the blocks' inputs with
+  ``save_for_backward``, and the strategy compressing them (and what the recomputed blocks save
+  in backward). Non-reentrant checkpointing keeps those inputs out of reach of any saved-tensor
+  hook's code, so the combination needs the reentrant form.
 
 What "saved" counts, the same way for every method: the bytes held for backward once the
 model's forward has run (the loss's own saves left out, as torchstash's tally leaves them out).
@@ -99,6 +104,9 @@ from .zoo import BasicBlock, Block, ZooEntry, zoo
 
 CHECKPOINT, SAC, SAVE_ON_CPU, COMPILE = "checkpoint", "sac", "save_on_cpu", "compile-budget"
 BASELINES = (CHECKPOINT, SAC, SAVE_ON_CPU, COMPILE)
+#: checkpointing with a strategy on the blocks' inputs, run by default where the strategy is
+#: installed (``checkpoint+<any strategy>`` may be named)
+COMBINATIONS = (f"{CHECKPOINT}+quant.int8",)
 BUDGET = 0.5
 SEED = 0
 
@@ -196,13 +204,13 @@ class Checkpointed(Attached):
     ``selective``. Note: a BatchNorm inside a block updates its running statistics again
     when recomputed (the gradients are exact; the running averages move twice)."""
 
-    def __init__(self, model: nn.Module, selective: bool = False) -> None:
+    def __init__(self, model: nn.Module, selective: bool = False, reentrant: bool = False) -> None:
         super().__init__(model)
         self.blocks = repeated_blocks(model)
         if not self.blocks:
             raise ValueError(f"{type(model).__name__} has no repeated blocks to checkpoint")
         self.caches: list[Any] = []
-        kwargs: dict[str, Any] = {"use_reentrant": False}
+        kwargs: dict[str, Any] = {"use_reentrant": reentrant}
         if selective:
             kwargs["context_fn"] = self._contexts
         for blk in self.blocks:
@@ -347,6 +355,33 @@ class Stashed(Attached):
         self.handle.remove()
 
 
+class CheckpointedStash(Attached):
+    """Reentrant checkpointing around each repeated block, and a torchstash strategy on what
+    it keeps (the blocks' inputs, saved with ``save_for_backward``): the strategy's tally
+    counts them."""
+
+    def __init__(self, model: nn.Module, spec: str) -> None:
+        super().__init__(model)
+        self.checkpointed = Checkpointed(model, reentrant=True)
+        try:
+            self.stashed = Stashed(model, spec)
+        except BaseException:
+            self.checkpointed.close()
+            raise
+
+    def forward(self, x: Tensor, counter: HeldCounter | None = None) -> Tensor:
+        return self.stashed.forward(x, counter)
+
+    def held(self, counter: HeldCounter) -> tuple[int, int]:
+        held = self.stashed.held(counter)
+        self.info = self.stashed.info
+        return held
+
+    def close(self) -> None:
+        self.stashed.close()
+        self.checkpointed.close()
+
+
 @dataclass(frozen=True)
 class Method:
     """One row of the comparison: how to put it on a model."""
@@ -366,7 +401,9 @@ def methods(
     """Stock, then the requested methods (default: every baseline and every installed
     strategy but presets and ``none``); a name not in :data:`BASELINES` is a strategy."""
     if names is None:
-        names = [*BASELINES, *strategy_names(None)]
+        installed = strategy_names(None)
+        combined = [c for c in COMBINATIONS if c.partition("+")[2] in installed]
+        names = [*BASELINES, *installed, *combined]
     out = [Method(STOCK, "stock", True, Attached)]
     for n in dict.fromkeys(names):
         if n == STOCK:
@@ -381,6 +418,11 @@ def methods(
             )
         elif n == COMPILE:
             out.append(Method(n, "torch", False, functools.partial(Compiled, budget=budget)))
+        elif n.startswith(f"{CHECKPOINT}+"):
+            spec = n.partition("+")[2]
+            lossless = lossless_of(spec.partition(":")[0])
+            attach = functools.partial(CheckpointedStash, spec=spec)
+            out.append(Method(n, "torchstash", lossless, attach))
         else:
             lossless = lossless_of(n.partition(":")[0])
             out.append(Method(n, "torchstash", lossless, functools.partial(Stashed, spec=n)))
