@@ -11,6 +11,8 @@ from torch import nn
 
 import torchstash as ts
 from torchstash.derive import matmul_order, recipe
+from torchstash.site import Site
+from torchstash.testing.toys import DerivableClone
 from torchstash.zoo import SelfAttention
 
 pytestmark = pytest.mark.usefixtures("toy_strategies")
@@ -278,3 +280,52 @@ def test_matmul_order_from_shapes_and_roles() -> None:
     assert matmul_order([(8,), (8, 4)], ["input", "arg1"], (4,)) is None
     assert recipe("matmul", (), {}, "baddbmm") is None
     assert recipe("matmul", (), {}, "matmul") is not None
+
+
+class SignedClone(DerivableClone):
+    """A derivable copy that stores a ReLU's saved result as another variant (as quant's sign
+    bits are), so the next op's save of the same tensor is not shared with it."""
+
+    name = "test.derive_signed"
+
+    def variant(self, x: torch.Tensor, site: Site) -> str:
+        return "relu" if site.op == "relu" else ""
+
+
+def _conv_bn(relu: bool) -> nn.Module:
+    layers: list[nn.Module] = [nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)]
+    if relu:
+        layers.append(nn.ReLU(inplace=True))
+    return nn.Sequential(*layers, nn.Conv2d(8, 4, 3, padding=1))
+
+
+@pytest.mark.parametrize("relu", [False, True], ids=["bn-conv", "bn-inplace-relu-conv"])
+def test_batch_norm_output_recomputed(relu: bool) -> None:
+    """A training BatchNorm's output (through an in-place ReLU, carried one version on) is the
+    next conv's saved input: recomputed from the BatchNorm's input with the batch mean and
+    invstd its forward saved, it costs no bytes and the gradients are stock's to rounding."""
+    torch.manual_seed(0)
+    model, x = _conv_bn(relu), torch.randn(4, 3, 8, 8)
+    ref = _grads(model, x)
+    ts.REGISTRY.register(SignedClone.name, SignedClone, lossless=True, summary="test")
+    try:
+        with ts.apply(model, SignedClone.name, min_bytes=0) as h:
+            got = _grads(model, x)
+            rows = _rows(h)
+    finally:
+        ts.REGISTRY.unregister(SignedClone.name)
+    assert rows[str(len(model) - 1)][0] == 1 and rows[str(len(model) - 1)][2] == 0
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_batch_norm_in_eval_is_not_recomputed() -> None:
+    """In eval a BatchNorm normalizes by its running statistics, which a later step may change
+    before this backward: its output is stored as usual."""
+    torch.manual_seed(0)
+    model, x = _conv_bn(False), torch.randn(4, 3, 8, 8)
+    model[1].eval()
+    with ts.apply(model, "test.derive", min_bytes=0) as h:
+        _grads(model, x)
+        assert all(r.derived == 0 for r in h.tally.rows.values())
+    assert recipe("batch_norm", (x, None, None, None, None, False), {}, "batch_norm") is None

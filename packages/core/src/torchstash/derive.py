@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 #: Ops whose output the engine can recompute from their saved inputs.
-DERIVE_OPS = frozenset({"gelu", "silu", "layer_norm", "matmul"})
+DERIVE_OPS = frozenset({"gelu", "silu", "layer_norm", "batch_norm", "matmul"})
 #: Functions whose result is the plain product of the two operands they save (no scaling,
 #: no bias, no sum over a third operand): a matmul recipe is offered for these only.
 MATMUL_FUNCS = frozenset({"matmul", "__matmul__", "bmm", "mm"})
@@ -51,6 +51,9 @@ LAYOUT_OPS = frozenset(
         "clone",
     }
 )
+#: Elementwise functions of their first argument alone, in-place forms included: replayed, they
+#: carry a recipe too (a BatchNorm's output through the in-place ReLU after it).
+POINTWISE_OPS = frozenset({"relu", "relu_"})
 
 
 def _argument(args: Sequence[Any], kwargs: dict[str, Any], name: str, pos: int) -> Any:
@@ -153,6 +156,12 @@ def recipe(op: str, args: Sequence[Any], kwargs: dict[str, Any], func: str = "")
         weight = _argument(args, kwargs, "weight", 2)
         bias = _argument(args, kwargs, "bias", 3)
         return Recipe(op, {"weight": weight, "bias": bias})
+    if op == "batch_norm" and func == "batch_norm":
+        if not _argument(args, kwargs, "training", 5):
+            return None  # eval: normalized by the running statistics, which may change
+        weight = _argument(args, kwargs, "weight", 3)
+        bias = _argument(args, kwargs, "bias", 4)
+        return Recipe(op, {"weight": weight, "bias": bias})
     return None
 
 
@@ -182,6 +191,25 @@ def _layer_norm(r: Recipe, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def _batch_norm(r: Recipe, x: torch.Tensor) -> torch.Tensor:
+    """``(x - mean) * invstd * weight + bias`` per channel (dim 1), with the batch statistics
+    the forward saved."""
+    if len(r.stats) != 2:
+        raise RuntimeError(
+            f"batch_norm recipe: expected the mean and invstd the op saved, got {len(r.stats)} "
+            "tensors"
+        )
+    mean, invstd = r.stats
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    y = (x.to(invstd.dtype) - mean.view(shape)) * invstd.view(shape)
+    weight, bias = r.arguments["weight"], r.arguments["bias"]
+    if weight is not None:
+        y = y * weight.detach().view(shape)
+    if bias is not None:
+        y = y + bias.detach().view(shape)
+    return y
+
+
 def _matmul(r: Recipe, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a, b)
 
@@ -190,5 +218,6 @@ _RECOMPUTE: dict[str, Callable[..., torch.Tensor]] = {
     "gelu": _gelu,
     "silu": _silu,
     "layer_norm": _layer_norm,
+    "batch_norm": _batch_norm,
     "matmul": _matmul,
 }

@@ -20,7 +20,15 @@ from typing import Any
 import torch
 
 from .compressor import Compressor
-from .derive import DERIVE_OPS, LAYOUT_OPS, Recipe, layout_step, matmul_order, recipe
+from .derive import (
+    DERIVE_OPS,
+    LAYOUT_OPS,
+    POINTWISE_OPS,
+    Recipe,
+    layout_step,
+    matmul_order,
+    recipe,
+)
 from .errors import CompressionError, KernelUnavailable
 from .optrack import STATE as OP_STATE
 from .optrack import OpTracker, on_result, role_of, watching
@@ -301,7 +309,7 @@ class Engine:
             tls.graph = _Graph()
             self._skip = self._skip_ptrs() if self._skip_ptrs else set()
         if tls.active == 0 and self.dedupe:
-            stack.enter_context(watching(LAYOUT_OPS, self._carry_recipe))
+            stack.enter_context(watching(LAYOUT_OPS | POINTWISE_OPS, self._carry_recipe))
         tls.active += 1
         stack.callback(self._deactivate)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
@@ -520,15 +528,19 @@ class Engine:
     def _carry_recipe(
         self, func: Callable[..., Any], args: Any, kwargs: dict[str, Any], result: Any
     ) -> None:
-        """A layout op (:data:`LAYOUT_OPS`) on a recomputable tensor: its result is
-        recomputable too, by the same recipe one step longer (``attn @ v``, transposed and
-        copied into the projection's input)."""
+        """A layout or elementwise op (:data:`LAYOUT_OPS`, :data:`POINTWISE_OPS`) on a
+        recomputable tensor: its result is recomputable too, by the same recipe one step longer
+        (``attn @ v``, transposed and copied into the projection's input; a BatchNorm's output
+        through an in-place ReLU)."""
         if not self._recipes or not args or not isinstance(result, torch.Tensor):
             return
         x = args[0]
         if not isinstance(x, torch.Tensor) or x.numel() == 0 or result.numel() != x.numel():
             return
-        found = self._recipes.get(_dedupe_key(x))
+        before = _dedupe_key(x)
+        if result is x:  # in place (a ReLU's): x as it was is one version back
+            before = (*before[:-1], before[-1] - 1)
+        found = self._recipes.get(before)
         if found is None or found[0]() is None:
             return
         key = _dedupe_key(result)

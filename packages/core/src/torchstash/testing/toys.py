@@ -42,15 +42,16 @@ class HalfCompressor(BaseCompressor):
 
 
 def _keeps_statistics(x: torch.Tensor, site: Site) -> list[str]:
-    """A LayerNorm's saved mean and rstd stay exact: a recipe needs them as they are."""
-    if site.op == "layer_norm" and site.role == "output":
-        return ["a LayerNorm's statistics are kept exact"]
+    """A LayerNorm's or BatchNorm's saved statistics stay exact: a recipe needs them as they
+    are."""
+    if site.op in ("layer_norm", "batch_norm") and site.role == "output":
+        return [f"a {site.op}'s statistics are kept exact"]
     return []
 
 
 class DerivableClone(CloneCompressor):
     """:class:`CloneCompressor` whose copies may stand in for an op's output: the engine
-    recomputes a LayerNorm's, GELU's or SiLU's output from the stored input (exact inputs,
+    recomputes a LayerNorm's, BatchNorm's, GELU's, SiLU's or attention's output from the stored input (exact inputs,
     so a GELU's recomputed output is bit-exact)."""
 
     name = "test.derive"
