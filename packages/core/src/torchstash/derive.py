@@ -76,6 +76,8 @@ class Recipe:
     usable: bool = True
     #: how many saved operands it is computed from (a matmul: two)
     arity: int = 1
+    #: how many statistics the op must have saved (a LayerNorm's or BatchNorm's: two)
+    stats_needed: int = 0
     #: the op's output shape (a matmul's operands are saved folded to 3-d: ``attn @ v`` on
     #: (B, H, N, N) and (B, H, N, D) saves (B*H, N, N) and (B*H, N, D))
     shape: torch.Size | None = None
@@ -155,13 +157,13 @@ def recipe(op: str, args: Sequence[Any], kwargs: dict[str, Any], func: str = "")
     if op == "layer_norm":
         weight = _argument(args, kwargs, "weight", 2)
         bias = _argument(args, kwargs, "bias", 3)
-        return Recipe(op, {"weight": weight, "bias": bias})
+        return Recipe(op, {"weight": weight, "bias": bias}, stats_needed=2)
     if op == "batch_norm" and func == "batch_norm":
         if not _argument(args, kwargs, "training", 5):
             return None  # eval: normalized by the running statistics, which may change
         weight = _argument(args, kwargs, "weight", 3)
         bias = _argument(args, kwargs, "bias", 4)
-        return Recipe(op, {"weight": weight, "bias": bias})
+        return Recipe(op, {"weight": weight, "bias": bias}, stats_needed=2)
     return None
 
 

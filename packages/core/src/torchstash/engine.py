@@ -497,8 +497,8 @@ class Engine:
             return
         if not rec.usable or len(d.sources) != rec.arity:
             return
-        if op == "layer_norm" and len(rec.stats) != 2:
-            return  # a LayerNorm needs its mean and rstd, kept exact
+        if len(rec.stats) != rec.stats_needed:
+            return  # a LayerNorm or BatchNorm needs its statistics, kept exact
         sources = [(ref, shape) for ref, shape, _ in d.sources]
         if op == "matmul":
             order = matmul_order(
