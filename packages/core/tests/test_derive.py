@@ -329,3 +329,25 @@ def test_batch_norm_in_eval_is_not_recomputed() -> None:
         _grads(model, x)
         assert all(r.derived == 0 for r in h.tally.rows.values())
     assert recipe("batch_norm", (x, None, None, None, None, False), {}, "batch_norm") is None
+
+
+def test_autocast_cast_of_a_recomputable_output_is_recomputed() -> None:
+    """Under bf16 autocast fc1 saves a bf16 copy of the LayerNorm's fp32 output, made inside
+    ``linear``: autograd's graph shows it is that output cast, so it is the LayerNorm's recipe
+    followed by the same cast, and costs no bytes."""
+    model, x = _setup()
+
+    def grads() -> list[torch.Tensor]:
+        model.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16):
+            out = model(x)
+        out.float().square().sum().backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    ref = grads()
+    with ts.apply(model, "test.derive", min_bytes=0) as h:
+        got = grads()
+        rows = _rows(h)
+    assert rows["fc1"][0] == 1 and rows["fc1"][2] == 0
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(a, b, rtol=0.02, atol=1e-3)

@@ -212,6 +212,28 @@ def test_constant_saved_by_an_autograd_function_is_kept_exact(toy_strategies: li
     torch.testing.assert_close(got, want, rtol=0.05, atol=1e-4)
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_autocast_weight_copies_are_kept_like_weights(
+    toy_strategies: list[str], frozen: bool
+) -> None:
+    """Under bf16 autocast a Linear saves a bf16 copy of its weight: a parameter in another
+    dtype, kept as is and counted with the parameters, never coded like an activation."""
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 32))
+    model.requires_grad_(not frozen)
+    x = torch.randn(16, 64, requires_grad=True)
+    with ts.apply(model, "test.half", min_bytes=0) as h:
+        with torch.autocast("cpu", torch.bfloat16):
+            out = model(x)
+        out.float().sum().backward()
+    raw = {k: r.raw_bytes for k, r in h.tally.rows.items()}
+    gelu = 16 * 96 * 2  # the GELU's bf16 input
+    if frozen:  # the Linears save only their weights' copies (for the input's gradient)
+        assert raw == {"1": gelu}
+    else:  # and their inputs (bf16 casts), counted; the weight copies are not
+        assert raw == {"0": 16 * 64 * 2, "1": gelu, "2": gelu}
+    assert h.tally.param_refs >= 2
+
+
 def test_shared_module_called_twice(recorder: Recorder) -> None:
     lin = nn.Linear(16, 16)
     model = nn.Sequential(lin, nn.GELU(), lin)
