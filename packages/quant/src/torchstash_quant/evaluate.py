@@ -2,7 +2,8 @@
 
 For each zoo model and strategy: saved bytes against stock fp32 and against a bf16-autocast
 stock step (exact accounting through ``torchstash.measure``), and the cosine similarity of
-all parameter gradients to stock's on the same batch. The figures in the package README
+all parameter gradients to stock's on the same batch, in fp32 and under bf16 autocast (to
+stock's under autocast). The figures in the package README
 come from this command.
 """
 
@@ -37,6 +38,10 @@ def _grads(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
+def _cosine(ref: torch.Tensor, got: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(ref.double(), got.double(), dim=0))
+
+
 def evaluate_one(entry: ZooEntry, strategy: str, batch: int | None = None) -> dict[str, Any]:
     x, y = entry.batch(batch or entry.batch_size, torch.device("cpu"))
     torch.manual_seed(0)
@@ -51,9 +56,12 @@ def evaluate_one(entry: ZooEntry, strategy: str, batch: int | None = None) -> di
     # Two warm-up steps: running estimates (mesa) and allocations (auto) settle on the batch.
     name, options = parse_spec(strategy)
     report = ts.measure(model, step, name, warmup=2, repeat=1, **options)
-    cosine = torch.nn.functional.cosine_similarity(ref.double(), _grads(model).double(), dim=0)
+    cosine = _cosine(ref, _grads(model))
     with torch.autocast("cpu", torch.bfloat16):
+        step()
+        ref_bf16 = _grads(model).clone()
         bf16 = ts.measure(model, step, name, warmup=2, repeat=1, **options)
+    cosine_bf16 = _cosine(ref_bf16, _grads(model))
     return {
         "model": entry.name,
         "strategy": strategy,
@@ -62,7 +70,8 @@ def evaluate_one(entry: ZooEntry, strategy: str, batch: int | None = None) -> di
         "ratio_fp32": report.raw_bytes / report.stored_bytes,
         "bf16_raw_bytes": bf16.raw_bytes,
         "ratio_bf16": bf16.raw_bytes / bf16.stored_bytes,
-        "grad_cosine": float(cosine),
+        "grad_cosine": cosine,
+        "grad_cosine_bf16": cosine_bf16,
     }
 
 
@@ -72,7 +81,7 @@ def evaluate(scale: str = "small", strategies: Sequence[str] = STRATEGIES) -> li
 
 def table(rows: list[dict[str, Any]], scale: str) -> Table:
     t = Table(title=f"torchstash-quant on the bench zoo ({scale}), one step on CPU")
-    for col in ("model", "strategy", "vs fp32", "vs bf16", "grad cosine"):
+    for col in ("model", "strategy", "vs fp32", "vs bf16", "grad cosine", "bf16 cosine"):
         t.add_column(col, justify="left" if col in ("model", "strategy") else "right")
     for r in rows:
         t.add_row(
@@ -81,6 +90,7 @@ def table(rows: list[dict[str, Any]], scale: str) -> Table:
             f"{r['ratio_fp32']:.2f}x",
             f"{r['ratio_bf16']:.2f}x",
             f"{r['grad_cosine']:.4f}",
+            f"{r['grad_cosine_bf16']:.4f}",
         )
     return t
 
