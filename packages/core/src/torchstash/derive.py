@@ -11,7 +11,10 @@ comes back closer to exact than its own code of the same total size would give.
 
 Attention's output is recomputed the same way: ``attn @ v`` from the two operands the matmul
 saved, carried through the ``transpose``/``reshape`` copy that feeds the output projection
-(:data:`LAYOUT_OPS`: a recipe for an op's input is one for its output, one step longer).
+(:data:`LAYOUT_OPS`: a recipe for an op's input is one for its output, one step longer); so
+is a training BatchNorm's output, carried through the (in-place) ReLU after it
+(:data:`POINTWISE_OPS`). Under autocast the engine also matches a projection's bf16 copy of
+such an output, read from autograd's graph, as the recipe followed by the same cast.
 
 Only for ops whose output is a pure function of the inputs, arguments and the statistics the
 op saved (:data:`DERIVE_OPS`); anything else saved is stored as usual.
