@@ -178,41 +178,35 @@ def _silu(r: Recipe, x: torch.Tensor) -> torch.Tensor:
     return F.silu(x)
 
 
-def _layer_norm(r: Recipe, x: torch.Tensor) -> torch.Tensor:
-    """``(x - mean) * rstd * weight + bias`` with the exact statistics the forward saved, so
-    the output agrees with what the LayerNorm's own backward sees of the same input."""
+def _normalized(r: Recipe, x: torch.Tensor, shape: list[int] | None = None) -> torch.Tensor:
+    """``(x - mean) * scale * weight + bias`` with the exact statistics the forward saved
+    (``scale``: rstd or invstd), viewed as ``shape`` where they are per channel, so the
+    output agrees with what the op's own backward sees of the same input."""
     if len(r.stats) != 2:
         raise RuntimeError(
-            f"layer_norm recipe: expected the mean and rstd the op saved, got {len(r.stats)} "
-            "tensors"
+            f"{r.op} recipe: expected the two statistics the op saved, got {len(r.stats)} tensors"
         )
-    mean, rstd = r.stats
-    y = (x.to(rstd.dtype) - mean) * rstd
+
+    def fit(t: torch.Tensor) -> torch.Tensor:
+        return t if shape is None else t.view(shape)
+
+    mean, scale = r.stats
+    y = (x.to(scale.dtype) - fit(mean)) * fit(scale)
     weight, bias = r.arguments["weight"], r.arguments["bias"]
     if weight is not None:
-        y = y * weight.detach()
+        y = y * fit(weight.detach())
     if bias is not None:
-        y = y + bias.detach()
+        y = y + fit(bias.detach())
     return y
+
+
+def _layer_norm(r: Recipe, x: torch.Tensor) -> torch.Tensor:
+    return _normalized(r, x)
 
 
 def _batch_norm(r: Recipe, x: torch.Tensor) -> torch.Tensor:
-    """``(x - mean) * invstd * weight + bias`` per channel (dim 1), with the batch statistics
-    the forward saved."""
-    if len(r.stats) != 2:
-        raise RuntimeError(
-            f"batch_norm recipe: expected the mean and invstd the op saved, got {len(r.stats)} "
-            "tensors"
-        )
-    mean, invstd = r.stats
-    shape = [1, -1] + [1] * (x.dim() - 2)
-    y = (x.to(invstd.dtype) - mean.view(shape)) * invstd.view(shape)
-    weight, bias = r.arguments["weight"], r.arguments["bias"]
-    if weight is not None:
-        y = y * weight.detach().view(shape)
-    if bias is not None:
-        y = y + bias.detach().view(shape)
-    return y
+    """Per channel (dim 1), with the batch mean and invstd the forward saved."""
+    return _normalized(r, x, [1, -1] + [1] * (x.dim() - 2))
 
 
 def _matmul(r: Recipe, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

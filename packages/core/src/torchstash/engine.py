@@ -839,14 +839,8 @@ def _parameter_copy(t: torch.Tensor) -> bool:
     another dtype (unless the op's first argument has that size too)."""
     if not t.is_floating_point():
         return False
-    node = t.grad_fn
-    if node is not None:
-        for _ in range(3):
-            if node.name() not in _COPY_NODES or not node.next_functions:
-                return False
-            node = node.next_functions[0][0]
-            if node is None:
-                return False
+    if t.grad_fn is not None:
+        for node in _copy_chain(t, _COPY_NODES):
             variable = getattr(node, "variable", None)
             if variable is not None:
                 return isinstance(variable, torch.nn.Parameter)
@@ -863,20 +857,25 @@ def _parameter_copy(t: torch.Tensor) -> bool:
     return False
 
 
-def _cast_of(t: torch.Tensor, x: torch.Tensor, depth: int = 3) -> bool:
+def _copy_chain(t: torch.Tensor, nodes: frozenset[str], depth: int = 3) -> Iterator[Any]:
+    """The autograd nodes ``t`` was made from, one step back at a time, while each step is
+    one of ``nodes`` (copies and views): at most ``depth`` of them."""
+    node = t.grad_fn
+    for _ in range(depth):
+        if node is None or node.name() not in nodes or not node.next_functions:
+            return
+        node = node.next_functions[0][0]
+        if node is None:
+            return
+        yield node
+
+
+def _cast_of(t: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether autograd made ``t`` from ``x`` by a dtype copy and views alone (the autocast
     cast of a projection's input, reshaped to 2-d), read from ``t``'s graph: exact, no pass
     over the values."""
-    node, target = t.grad_fn, x.grad_fn
-    if node is None or target is None:
-        return False
-    for _ in range(depth):
-        if node is None or node.name() not in _CAST_NODES or len(node.next_functions) < 1:
-            return False
-        node = node.next_functions[0][0]
-        if node is target:
-            return True
-    return False
+    target = x.grad_fn
+    return target is not None and any(n is target for n in _copy_chain(t, _CAST_NODES))
 
 
 def _dedupe_key(t: torch.Tensor) -> tuple[Any, ...]:
