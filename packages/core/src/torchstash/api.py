@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -273,8 +274,21 @@ def _install_hooks(model: nn.Module, engine: Engine, handle: Handle) -> None:
         handle.hooks.append(module.register_forward_hook(post, always_call=True))
 
 
+#: The stash blocks open in the running context. Torch's saved-tensor hooks and the global
+#: module hooks a block installs are seen by every thread (and every asyncio task on this
+#: thread); this marks which code is inside the block, so another thread's or task's model is
+#: left exactly as stock PyTorch runs it.
+_OPEN_STASHES: contextvars.ContextVar[tuple[stash, ...]] = contextvars.ContextVar(
+    "torchstash_open_stashes", default=()
+)
+
+
 class stash:
     """Compress what autograd saves inside a ``with`` block: any code, functional ops included.
+
+    The block covers the thread (and the ``contextvars`` context, so the asyncio task) that
+    entered it: another thread's or task's training runs as stock PyTorch would, even while
+    the block is open.
 
     >>> with torchstash.stash("quant.int8"):
     ...     loss = step(batch)
@@ -296,8 +310,9 @@ class stash:
                 f"{', '.join(names)} rewrites modules, which a code region cannot do; "
                 f"use torchstash.apply(model, ...) instead"
             )
-        self.engine = Engine(self.plan.compressor, min_bytes=min_bytes)
+        self.engine = Engine(self.plan.compressor, min_bytes=min_bytes, in_scope=self._in_scope)
         self._exit: Any = None
+        self._token: contextvars.Token[tuple[stash, ...]] | None = None
         self._hooks: list[RemovableHandle] = []
         self._infos: weakref.WeakKeyDictionary[nn.Module, ModuleInfo] = weakref.WeakKeyDictionary()
 
@@ -308,6 +323,7 @@ class stash:
     def __enter__(self) -> stash:
         if self._exit is not None:
             raise ApplyError("this stash block is already active; create a new one")
+        self._token = _OPEN_STASHES.set((*_OPEN_STASHES.get(), self))
         self._exit = self.engine.activated()
         self._exit.__enter__()
         # Modules run inside the block have no qualified name here; their type still lets
@@ -318,7 +334,12 @@ class stash:
         ]
         return self
 
+    def _in_scope(self) -> bool:
+        return self in _OPEN_STASHES.get()
+
     def _enter(self, module: nn.Module, args: Any) -> None:
+        if not self._in_scope():
+            return  # another thread's or task's module: the block does not cover it
         info = self._infos.get(module)
         if info is None:
             name = type(module).__name__
@@ -328,7 +349,8 @@ class stash:
         self.engine.enter_module(info, module)
 
     def _leave(self, module: nn.Module, args: Any, out: Any) -> None:
-        self.engine.exit_module(module)
+        if self._in_scope():
+            self.engine.exit_module(module)
 
     def __exit__(
         self,
@@ -340,7 +362,15 @@ class stash:
             h.remove()
         self._hooks.clear()
         ctx, self._exit = self._exit, None
-        ctx.__exit__(exc_type, exc, tb)
+        token, self._token = self._token, None
+        try:
+            ctx.__exit__(exc_type, exc, tb)
+        finally:
+            if token is not None:
+                try:
+                    _OPEN_STASHES.reset(token)
+                except ValueError:  # left in another context than it was entered in
+                    _OPEN_STASHES.set(tuple(s for s in _OPEN_STASHES.get() if s is not self))
 
 
 def strategies() -> list[dict[str, Any]]:

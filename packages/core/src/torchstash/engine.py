@@ -75,6 +75,7 @@ class ModuleInfo:
 
 _NO_MODULE = ModuleInfo("", "", "", -1, frozenset())
 _PARAMETER = Site(role="parameter")
+_OUTSIDE = Site(role="outside the stash block")
 
 
 @dataclass
@@ -176,6 +177,7 @@ class _Entry:
         "value",
         "variant",
         "version",
+        "watch",
     )
 
     def __init__(
@@ -186,6 +188,7 @@ class _Entry:
         version: int,
         source: torch.Tensor | None,
         variant: str = "",
+        watched: torch.Tensor | None = None,
     ) -> None:
         self.value = value
         self.compressor = compressor
@@ -197,6 +200,18 @@ class _Entry:
         )
         #: the forward pass that stored it (None when shared with another pass)
         self.graph: _Graph | None = None
+        #: an empty tensor sharing the saved tensor's version counter (:func:`_version_alias`),
+        #: so an in-place change after the save is seen in backward as stock PyTorch sees it,
+        #: without holding the memory a code replaced
+        self.watch = _version_alias(watched) if watched is not None else None
+
+    def modified(self) -> int | None:
+        """The saved tensor's version now, when an in-place op changed it since the save."""
+        value = self.value
+        watch = value if isinstance(value, torch.Tensor) else self.watch
+        if watch is None or watch._version == self.version:
+            return None
+        return watch._version
 
 
 #: What a released entry holds: its backward failed, and its memory went back.
@@ -275,8 +290,12 @@ class Engine:
         min_bytes: int = DEFAULT_MIN_BYTES,
         skip_ptrs: Callable[[], set[int]] | None = None,
         dedupe: bool = True,
+        in_scope: Callable[[], bool] | None = None,
     ) -> None:
         self.resolve = resolve
+        #: whether the running code is the engine's to compress (a ``stash`` block's own
+        #: thread and context); None: whatever runs under its hooks
+        self.in_scope = in_scope
         self.min_bytes = min_bytes
         self.dedupe = dedupe
         self.tally = Tally()
@@ -392,6 +411,10 @@ class Engine:
             self._skip.add(storage_base(b))
 
     def pack(self, t: torch.Tensor) -> _Saved:
+        if self.in_scope is not None and not self.in_scope():
+            # Under this engine's hooks but outside its scope (another asyncio task on the
+            # thread of a ``stash`` block): kept as stock keeps it, and not counted.
+            return _Saved(_Entry(t.detach(), None, _OUTSIDE, t._version, None))
         base = t._base
         if (
             isinstance(t, torch.nn.Parameter)
@@ -586,7 +609,9 @@ class Engine:
         told = getattr(compressor, "derived", None)
         if told is not None:
             told(t, site, [source.site for source, _ in sources])
-        return _Entry(_Recomputed(sources, rec, t.shape), compressor, site, t._version, t)
+        return _Entry(
+            _Recomputed(sources, rec, t.shape), compressor, site, t._version, t, watched=t
+        )
 
     def _autocast_copy(
         self, t: torch.Tensor, site: Site
@@ -715,7 +740,14 @@ class Engine:
         else:
             stored = nbytes
         row.stored_bytes += stored
-        return _Entry(value, compressor, site, t._version, t if self.dedupe else None)
+        return _Entry(
+            value,
+            compressor,
+            site,
+            t._version,
+            t if self.dedupe else None,
+            watched=t if isinstance(value, Packed) else None,
+        )
 
     def _types(self, site: Site) -> frozenset[str]:
         frames = self._tls.frames
@@ -727,23 +759,24 @@ class Engine:
 
     def _restore(self, entry: _Entry) -> torch.Tensor:
         value = entry.value
-        if isinstance(value, _Recomputed):
-            operands = [self._restore(e).reshape(shape) for e, shape in value.sources]
-            return value.recipe(*operands).reshape(value.shape)
         if value is _RELEASED:
             raise CompressionError(
                 f"the {_tensor(entry.site, (), None)} was released when an earlier backward "
                 "through this graph raised; run the forward pass again"
             )
+        version = entry.modified()
+        if version is not None:
+            self._release(entry)
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: the {tuple(value.shape)} tensor "
+                f"({entry.site.describe()}) is at version {version}; expected version "
+                f"{entry.version} instead. Avoid the in-place op or clone before it."
+            )
+        if isinstance(value, _Recomputed):
+            operands = [self._restore(e).reshape(shape) for e, shape in value.sources]
+            return value.recipe(*operands).reshape(value.shape)
         if isinstance(value, torch.Tensor):
-            if value._version != entry.version:
-                self._release(entry)
-                raise RuntimeError(
-                    "one of the variables needed for gradient computation has been modified by "
-                    f"an inplace operation: the {tuple(value.shape)} {value.dtype} tensor "
-                    f"({entry.site.describe()}) is at version {value._version}; expected version "
-                    f"{entry.version} instead. Avoid the in-place op or clone before it."
-                )
             return value
         compressor = entry.compressor
         assert compressor is not None
@@ -876,6 +909,18 @@ def _cast_of(t: torch.Tensor, x: torch.Tensor) -> bool:
     over the values."""
     target = x.grad_fn
     return target is not None and any(n is target for n in _copy_chain(t, _CAST_NODES))
+
+
+def _version_alias(t: torch.Tensor) -> torch.Tensor | None:
+    """An empty tensor that shares ``t``'s version counter (and so its views' and base's):
+    ``detach`` shares the counter, and assigning ``.data`` swaps the storage out without
+    touching it. Holds no memory of ``t``'s. None for a tensor type that cannot do this."""
+    try:
+        alias = t.detach()
+        alias.data = t.new_empty(0)
+    except (RuntimeError, TypeError):
+        return None
+    return alias
 
 
 def _dedupe_key(t: torch.Tensor) -> tuple[Any, ...]:

@@ -18,8 +18,8 @@ from torchstash.layout import memory_order, restore
 from torchstash.packed import Packed
 from torchstash.site import Site
 
+from ._dtypes import dtype_reasons
 from ._options import check_group_size
-from .groupwise import FLOAT_DTYPES
 
 E4M3 = torch.float8_e4m3fn
 _POS_INF, _NEG_INF, _NAN = 0x78, 0xF8, 0x7F
@@ -33,9 +33,7 @@ class Fp8Quantizer(BaseCompressor):
         self.group_size = check_group_size(group_size, self.name)
 
     def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
-        if x.dtype not in FLOAT_DTYPES:
-            return [f"{self.name} takes float32, float16 and bfloat16 tensors, got {x.dtype}"]
-        return []
+        return dtype_reasons(self, self.name, x.dtype)
 
     def compress(self, x: torch.Tensor, site: Site) -> Packed:
         flat, inverse = memory_order(x)

@@ -17,9 +17,8 @@ from torchstash.packed import Packed
 from torchstash.seeds import SeedStream
 from torchstash.site import Site
 
+from ._dtypes import dtype_reasons
 from ._options import check_bits, check_group_size
-
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class GroupQuantizer(BaseCompressor):
@@ -42,9 +41,7 @@ class GroupQuantizer(BaseCompressor):
         self.seeds = SeedStream(seed)
 
     def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
-        if x.dtype not in FLOAT_DTYPES:
-            return [f"{self.name} quantizes float32, float16 and bfloat16 tensors, got {x.dtype}"]
-        return []
+        return dtype_reasons(self, self.name, x.dtype)
 
     def compress(
         self,
@@ -59,9 +56,18 @@ class GroupQuantizer(BaseCompressor):
         bits = bits or self.bits
         group_size = group_size or self.group_size
         flat, inverse = memory_order(x)
+        seed = self.seeds.next()
         codes, lo, step = group_quantize(
-            flat, bits, group_size, seed=self.seeds.next(), stochastic=self.stochastic
+            flat, bits, group_size, seed=seed, stochastic=self.stochastic
         )
+        if bits == 1 and bool(torch.signbit(step).any()):
+            # A group holding NaN or Inf: at 1 bit every non-finite value would come back
+            # as NaN (one code for all three), so such a tensor is coded at 2 bits, which
+            # keeps NaN, +Inf and -Inf where they were. One host sync per 1-bit tensor.
+            bits = 2
+            codes, lo, step = group_quantize(
+                flat, bits, group_size, seed=seed, stochastic=self.stochastic
+            )
         packed = Packed.like(x, self.name, codes=codes, lo=lo, step=step)
         packed.meta.update(bits=bits, group_size=group_size, order=inverse)
         return packed

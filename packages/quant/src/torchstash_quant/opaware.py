@@ -35,6 +35,7 @@ from torchstash.optrack import STATE
 from torchstash.packed import Packed
 from torchstash.site import Site
 
+from ._dtypes import dtype_reasons
 from .derivs import CODEC as DERIV_CODEC
 from .derivs import DERIV_OPS, DerivCoder, unpack_derivative
 from .masks import (
@@ -52,6 +53,9 @@ from .pool import POOL_FUNCS, pack_pool_positions, pool_geometry, unpack_pool_po
 from .rows import aligned_group_size, channel_major_run, normalized_run
 
 #: Ops whose backward amplifies an error in their saved input (it is normalized again).
+#: Codes that hold what the op's backward reads exactly, in any float type (a ReLU's signs,
+#: a dropout's mask, max-pool positions): float64 tensors take them too.
+EXACT_KINDS = frozenset({"bool", "pool", "sign", "dropmask"})
 NORM_OPS = frozenset({"layer_norm", "group_norm", "rms_norm", "batch_norm"})
 #: Ops whose saved tensors are attention's when no operand is a Parameter (see attn_bits).
 ATTENTION_OPS = frozenset({"matmul", "softmax"})
@@ -179,6 +183,10 @@ class OpAware(BaseCompressor):
 
     def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
         kind = self.variant(x, site)
+        if kind not in EXACT_KINDS and x.is_floating_point():
+            reasons = dtype_reasons(self, self.name, x.dtype)  # float64: kept as is, one warning
+            if reasons:
+                return reasons
         if site.op in NORM_OPS and site.role == "output":
             return [f"{site.op}'s saved statistics (mean, rstd) are small and kept exact"]
         if (

@@ -31,8 +31,8 @@ from torchstash.packed import Packed
 from torchstash.seeds import SeedStream
 from torchstash.site import Site
 
+from .._dtypes import dtype_reasons
 from .._options import check_fraction
-from ..groupwise import FLOAT_DTYPES
 
 LEVELS = 252
 _NEG_INF, _POS_INF, _NAN = 253, 254, 255
@@ -87,8 +87,9 @@ class MesaQuantizer(BaseCompressor):
         self._lock = threading.Lock()
 
     def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
-        if x.dtype not in FLOAT_DTYPES:
-            return [f"{self.name} takes float32, float16 and bfloat16 tensors, got {x.dtype}"]
+        reasons = dtype_reasons(self, self.name, x.dtype)
+        if reasons:
+            return reasons
         if x.dim() == 0 or x.numel() == 0:
             return [f"{self.name} needs a non-empty tensor with at least one dimension"]
         return []

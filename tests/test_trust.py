@@ -1,0 +1,226 @@
+"""Situations where a strategy must be right as stock PyTorch is, or a clear error: an in-place
+change after the save, NaN and Inf, float64, and a ``stash`` block beside other threads and
+asyncio tasks. Parametrized over every registered strategy, so a new one is covered the day
+it is added."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import torchstash as ts
+
+STRATEGIES = ts.REGISTRY.names()
+WIDTH = 256  # every saved tensor well above min_bytes and dropit's min_numel
+INPLACE = "modified by an inplace operation"
+
+
+def _model(dtype: torch.dtype = torch.float32) -> nn.Sequential:
+    """Linear, ReLU (memsave's), LayerNorm, GELU and Sigmoid: outputs and inputs saved."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(WIDTH, WIDTH),
+        nn.ReLU(),
+        nn.LayerNorm(WIDTH),
+        nn.Linear(WIDTH, WIDTH),
+        nn.GELU(),
+        nn.Linear(WIDTH, WIDTH),
+        nn.Sigmoid(),
+    ).to(dtype)
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad for p in model.parameters() if p.grad is not None]
+
+
+# --------------------------------------------------------------------- in-place after the save
+
+
+def _edit_output(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    y = model(x)
+    y.mul_(2)  # Sigmoid saved its output
+    return y
+
+
+def _edit_input(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    z = x * 1
+    y = model(z)
+    z.add_(1)  # the first Linear saved z
+    return y
+
+
+def _edit_base_of_view(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    flat = (x * 1).reshape(-1)
+    y = model(flat.view(x.shape))  # the Linear saved a view; the view itself is gone
+    flat.add_(1)
+    return y
+
+
+def _edit_model_input(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    y = model(x)
+    with torch.no_grad():
+        x.add_(1)
+    return y
+
+
+EDITS: dict[str, Callable[[nn.Module, torch.Tensor], torch.Tensor]] = {
+    "saved_output": _edit_output,
+    "saved_input": _edit_input,
+    "base_of_saved_view": _edit_base_of_view,
+    "model_input": _edit_model_input,
+}
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_inplace_change_after_save_raises_like_stock(strategy: str, edit: str) -> None:
+    for name in ("stock", strategy):
+        model = _model()
+        x = torch.randn(64, WIDTH)
+        if name != "stock":
+            ts.apply(model, strategy)
+        y = EDITS[edit](model, x)
+        with pytest.raises(RuntimeError, match=INPLACE):
+            y.sum().backward()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_untouched_tensors_raise_nothing(strategy: str) -> None:
+    """The check sees changes only: a saved tensor edited after backward is fine."""
+    model = _model()
+    ts.apply(model, strategy)
+    x = torch.randn(64, WIDTH)
+    y = model(x)
+    y.sum().backward()
+    x.add_(1)
+    assert all(g.isfinite().all() for g in _grads(model))
+
+
+# --------------------------------------------------------------------------------- NaN and Inf
+
+
+def _infinite_input() -> torch.Tensor:
+    x = torch.randn(64, WIDTH)
+    x[3, 5] = float("inf")
+    x[10, 7] = float("-inf")
+    x[20, 9] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_nan_and_inf_survive_as_in_stock(strategy: str) -> None:
+    """Stock's gradients here hold +Inf, -Inf and NaN in known places; every strategy gives
+    the same non-finite pattern (a lossy code may not turn an Inf into a NaN, or either into
+    a number)."""
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 4))
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 4))
+    model.load_state_dict(stock.state_dict())
+    x = _infinite_input()
+    stock(x).sum().backward()
+    ts.apply(model, strategy)
+    model(x).sum().backward()
+    for want, got in zip(_grads(stock), _grads(model)):
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got == float("inf"), want == float("inf"))
+        assert torch.equal(got == float("-inf"), want == float("-inf"))
+    assert any(bool(g.isinf().any()) for g in _grads(stock))  # the test means something
+
+
+# ---------------------------------------------------------------------------------- float64
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_float64_model_trains_and_quantizers_keep_it_exact(strategy: str) -> None:
+    """One behaviour for float64: quantizers keep such tensors as they are (exact gradients,
+    one warning naming the strategy); strategies that do not quantize run as on float32."""
+    x = torch.randn(64, WIDTH, dtype=torch.float64)
+    stock = _model(torch.float64)
+    stock(x).sum().backward()
+    model = _model(torch.float64)
+    handle = ts.apply(model, strategy)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(x).sum().backward()
+    grads = _grads(model)
+    assert all(g.dtype == torch.float64 and g.isfinite().all() for g in grads)
+    if strategy.startswith("quant") or ts.REGISTRY.get(strategy).lossless:
+        assert all(torch.equal(a, b) for a, b in zip(_grads(stock), grads))
+    if strategy.startswith("quant") and strategy != "quant.L0":
+        kept = [m for m in caught if "keeps float64 tensors as they are" in str(m.message)]
+        assert kept, "a quantizer must say that it keeps float64 tensors as they are"
+        declined = [r for row in handle.tally.rows.values() for r in row.declined]
+        assert any("float64" in r for r in declined)
+
+
+# ------------------------------------------------------------------ threads and asyncio tasks
+
+
+def _stock_stored(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """The gradients of one step, to compare with stock's."""
+    model.zero_grad()
+    model(x).sum().backward()
+    return [g.clone() for g in _grads(model)]
+
+
+def test_stash_covers_only_its_own_thread() -> None:
+    x = torch.randn(64, WIDTH)
+    other = _model()
+    want = _stock_stored(other, x)
+    got: list[list[torch.Tensor]] = []
+    inside = threading.Event()
+    done = threading.Event()
+
+    def train_elsewhere() -> None:
+        inside.wait()
+        got.append(_stock_stored(other, x))
+        done.set()
+
+    worker = threading.Thread(target=train_elsewhere)
+    worker.start()
+    block = ts.stash("quant.int2")
+    with block:
+        mine = _model()
+        inside.set()
+        assert done.wait(60)
+        mine(x).sum().backward()
+    worker.join()
+    assert all(torch.equal(a, b) for a, b in zip(want, got[0]))  # stock, bit for bit
+    assert block.tally.stored_bytes < block.tally.raw_bytes  # the block's own model was coded
+    assert set(block.tally.rows) <= {"", "<Sequential>", "<Linear>", "<ReLU>", "<LayerNorm>",
+                                     "<GELU>", "<Sigmoid>"}  # fmt: skip
+
+
+def test_stash_covers_only_its_own_asyncio_task() -> None:
+    x = torch.randn(64, WIDTH)
+    other = _model()
+    want = _stock_stored(other, x)
+
+    async def main() -> tuple[list[torch.Tensor], int]:
+        opened = asyncio.Event()
+        trained = asyncio.Event()
+
+        async def with_stash() -> int:
+            with ts.stash("quant.int2") as block:
+                opened.set()
+                await trained.wait()  # the other task trains while this block is open
+            return len(block.tally.rows)
+
+        async def plain() -> list[torch.Tensor]:
+            await opened.wait()
+            grads = _stock_stored(other, x)
+            trained.set()
+            return grads
+
+        rows, grads = await asyncio.gather(with_stash(), plain())
+        return grads, rows
+
+    grads, rows = asyncio.run(main())
+    assert all(torch.equal(a, b) for a, b in zip(want, grads))
+    assert rows == 0  # nothing of the other task was counted either
