@@ -1,15 +1,19 @@
-"""The kernel loader: TORCHSTASH_KERNELS modes, guards, failure reporting, cache keys."""
+"""The kernel loader: TORCHSTASH_KERNELS modes, guards, failure reporting, cache keys, the
+build lock."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -263,3 +267,195 @@ def test_guards_list_every_reason(
     monkeypatch.setenv(env.KERNELS, "require")
     with pytest.raises(KernelUnavailable, match="ninja.*no-such-c\\+\\+.*TORCHSTASH_CACHE_DIR"):
         loader.load()
+
+
+# -- the build lock ---------------------------------------------------------------------------
+
+
+class FakeCompile:
+    """cpp_extension.load's stand-in: notes the locks it finds, then fails (nothing compiles)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.build_dir = Path()
+
+    def __call__(self, **kwargs: Any) -> None:
+        where = Path(kwargs["build_directory"])
+        owner = json.loads((where / loader.LOCK_NAME).read_text())
+        self.calls.append({"owner": owner["pid"], "baton": (where / "lock").exists()})
+        raise RuntimeError("simulated compile")
+
+    @property
+    def lock(self) -> Path:
+        return self.build_dir / loader.LOCK_NAME
+
+
+@pytest.fixture
+def fake_compile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_loader: None
+) -> FakeCompile:
+    """A fresh cache whose builds reach a fake cpp_extension.load; its build_dir is known."""
+    from torch.utils import cpp_extension
+
+    if loader.find_csrc()[0] is None:
+        pytest.skip("no kernel sources")
+    monkeypatch.setenv(env.CACHE_DIR, str(tmp_path / "cache"))
+    monkeypatch.setenv(env.KERNELS, "auto")
+    monkeypatch.setenv(env.KERNEL_LOCK_WAIT, "5")  # a regression fails, it does not hang
+    monkeypatch.setattr(loader, "_guards", lambda reason: [])  # no toolchain needed
+    monkeypatch.setattr(loader, "_loaded", None)  # as in a process that has not loaded it
+    monkeypatch.setattr(loader, "_POLL_SECONDS", 0.02)
+    fake = FakeCompile()
+    monkeypatch.setattr(cpp_extension, "load", fake)
+    info = loader.status()
+    assert info["reasons"] == ["build failed: simulated compile"], info["reasons"]
+    assert fake.calls == [{"owner": os.getpid(), "baton": False}]
+    assert not (Path(info["build_dir"]) / loader.LOCK_NAME).exists()  # released after the build
+    fake.build_dir, fake.calls = Path(info["build_dir"]), []
+    loader._reset()
+    return fake
+
+
+@pytest.fixture
+def live_holder() -> Iterator[subprocess.Popen[bytes]]:
+    """A running process of this machine, to own a lock."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", ""])
+    proc.wait()
+    return proc.pid
+
+
+def _write_lock(path: Path, owner: dict[str, Any], age: float = 0.0) -> None:
+    path.write_text(json.dumps(owner))
+    then = time.time() - age
+    os.utime(path, (then, then))
+
+
+@pytest.mark.parametrize("left", ["baton", "baton and lock"])
+def test_locks_left_by_a_killed_build_are_broken(fake_compile: FakeCompile, left: str) -> None:
+    """A build killed by SIGKILL or the OOM killer leaves cpp_extension's ``lock`` (which it
+    would poll forever) and, with it, ours naming a dead pid: the next build goes ahead."""
+    (fake_compile.build_dir / "lock").touch()
+    if left == "baton and lock":
+        _write_lock(fake_compile.lock, loader._owner_record(_dead_pid()))
+    start = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        info = loader.status()
+    assert time.monotonic() - start < 3  # broken at once, not waited on
+    assert fake_compile.calls == [{"owner": os.getpid(), "baton": False}]
+    assert info["reasons"] == ["build failed: simulated compile"]
+    notes = " | ".join(info["notes"])
+    assert f"removed {fake_compile.build_dir / 'lock'}, left by an interrupted build" in notes
+    if left == "baton and lock":
+        assert f"broke the stale kernel-build lock {fake_compile.lock}" in notes
+        assert "is no longer running" in notes
+    assert sorted(p.name for p in fake_compile.build_dir.iterdir() if "lock" in p.name) == []
+
+
+def test_a_live_builder_is_waited_on_then_the_reference_is_used(
+    fake_compile: FakeCompile,
+    live_holder: subprocess.Popen[bytes],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv(env.KERNEL_LOCK_WAIT, "0.4")
+    _write_lock(fake_compile.lock, loader._owner_record(live_holder.pid))
+    before = fake_compile.lock.read_text()
+    codes = torch.randint(0, 4, (33,), dtype=torch.uint8)
+    caplog.set_level(logging.INFO, logger=loader.__name__)
+    start = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = pack_bits(codes, 2)
+        waited = time.monotonic() - start
+        assert torch.equal(pack_bits(codes, 2), got)  # memoized: no second wait, no warning
+    assert 0.4 <= waited < 1.4  # the time limit, and not much more
+    assert time.monotonic() - start - waited < 0.5
+    assert torch.equal(got, pack_bits_ref(codes, 2))
+    assert fake_compile.calls == []
+    assert fake_compile.lock.read_text() == before  # a live builder's lock is left alone
+    assert len(caplog.records) == 1
+    log = caplog.records[0]
+    assert log.levelno == logging.WARNING
+    assert str(fake_compile.lock) in log.getMessage()
+    assert f"pid {live_holder.pid}" in log.getMessage()
+    assert [w.category for w in caught] == [RuntimeWarning]
+    message = str(caught[0].message)
+    assert "using the pure-PyTorch reference" in message
+    assert f"pid {live_holder.pid}" in message and "TORCHSTASH_KERNEL_LOCK_WAIT" in message
+    assert f"If no build is running, delete {fake_compile.lock}" in message
+
+
+def test_require_raises_on_a_busy_lock_and_builds_once_it_is_free(
+    fake_compile: FakeCompile,
+    live_holder: subprocess.Popen[bytes],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(env.KERNELS, "require")
+    monkeypatch.setenv(env.KERNEL_LOCK_WAIT, "0.2")
+    _write_lock(fake_compile.lock, loader._owner_record(live_holder.pid))
+    start = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(KernelUnavailable) as busy:
+            loader.load()
+    assert 0.2 <= time.monotonic() - start < 1.2
+    assert f"pid {live_holder.pid}" in str(busy.value) and str(fake_compile.lock) in str(busy.value)
+    assert "gave up waiting after 0.2s (TORCHSTASH_KERNEL_LOCK_WAIT)" in str(busy.value)
+    assert fake_compile.calls == []
+    live_holder.kill()
+    live_holder.wait()
+    with pytest.raises(KernelUnavailable, match="build failed: simulated compile"):
+        loader.load()  # not memoized: this call breaks the dead holder's lock and builds
+    assert fake_compile.calls == [{"owner": os.getpid(), "baton": False}]
+
+
+def test_an_old_lock_is_broken_whoever_holds_it(
+    fake_compile: FakeCompile,
+    live_holder: subprocess.Popen[bytes],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(env.KERNEL_LOCK_STALE, "60")
+    owner = loader._owner_record(live_holder.pid)
+    _write_lock(fake_compile.lock, owner, age=61)
+    info = loader.status()
+    assert fake_compile.calls == [{"owner": os.getpid(), "baton": False}]
+    assert "older than any build (TORCHSTASH_KERNEL_LOCK_STALE=60)" in " ".join(info["notes"])
+
+
+def test_staleness_is_decided_from_the_owner_and_the_age(
+    live_holder: subprocess.Popen[bytes],
+) -> None:
+    here = loader._owner_record(live_holder.pid)
+    stale = loader._stale
+    assert stale(here, 5, 60) is None  # running on this machine: wait
+    assert "no longer running" in str(stale({**here, "pid": _dead_pid()}, 5, 60))
+    assert "this process" in str(stale({**here, "pid": os.getpid()}, 5, 60))
+    elsewhere = {**here, "host": "another-host", "pid": _dead_pid()}
+    assert stale(elsewhere, 59, 60) is None  # its pid means nothing here: only age tells
+    assert "older than any build" in str(stale(elsewhere, 61, 60))
+    assert stale(None, 1, 60) is None  # being written
+    assert "names no owner" in str(stale(None, loader._UNREADABLE_GRACE_SECONDS + 1, 60))
+    if here["boot"] is not None:
+        assert "restarted" in str(stale({**here, "boot": "another-boot"}, 5, 60))
+    if here["process_start"] is not None:  # /proc: a reused pid is told apart
+        assert "now another process" in str(stale({**here, "process_start": "1"}, 5, 60))
+
+
+def test_lock_settings_are_checked(
+    fake_compile: FakeCompile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(env.KERNEL_LOCK_WAIT, "soon")
+    info = loader.status()
+    assert info["reasons"] == [
+        "TORCHSTASH_KERNEL_LOCK_WAIT='soon' is not a number of seconds (>= 0); "
+        "unset it for the default"
+    ]
+    assert fake_compile.calls == []

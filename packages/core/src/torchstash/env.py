@@ -13,6 +13,11 @@ DISABLE_PLUGINS = "TORCHSTASH_DISABLE_PLUGINS"
 CACHE_DIR = "TORCHSTASH_CACHE_DIR"
 #: Where the kernel sources live (default: the checkout's ``csrc/`` or the packaged copy).
 CSRC_DIR = "TORCHSTASH_CSRC_DIR"
+#: Seconds to wait for another process's kernel build (its lock) before using the
+#: pure-PyTorch reference (default 600).
+KERNEL_LOCK_WAIT = "TORCHSTASH_KERNEL_LOCK_WAIT"
+#: Age in seconds past which a kernel-build lock is broken whoever holds it (default 3600).
+KERNEL_LOCK_STALE = "TORCHSTASH_KERNEL_LOCK_STALE"
 
 
 def get(name: str, default: str = "") -> str:
