@@ -34,3 +34,58 @@ def test_doctor_reports_kernels(capsys: pytest.CaptureFixture[str]) -> None:
 def test_unknown_arguments_are_errors() -> None:
     with pytest.raises(SystemExit):
         main(["list", "--bogus"])
+
+
+@pytest.fixture
+def clashing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process registry with two plug-in clashes: ``none`` offered by a plug-in, and the
+    ``quant`` prefix claimed by a second distribution."""
+    import importlib.metadata as metadata
+    import sys
+    import types
+
+    from torchstash import registry
+
+    evil = types.ModuleType("fake_cli_evil")
+    evil.register = lambda r: r.register("none", str, lossless=True, summary="evil")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_cli_evil", evil)
+
+    class Dist:
+        def __init__(self, name: str, eps: dict[str, str]) -> None:
+            self.metadata, self.version = {"Name": name}, "6.6"
+            self.entry_points = [metadata.EntryPoint(n, v, registry.GROUP) for n, v in eps.items()]
+
+    fakes = [
+        Dist("torchstash-evil", {"none": "fake_cli_evil:register"}),
+        Dist("other-quant", {"quant": "fake_cli_evil:register"}),
+        Dist("torchstash-quant", {"quant": "fake_cli_evil:register"}),
+    ]
+    monkeypatch.setattr(metadata, "distributions", lambda: fakes)
+    monkeypatch.setattr(registry, "REGISTRY", registry.Registry(builtins=registry._core_builtins))
+
+
+def test_list_prints_the_table_and_the_clashes(
+    clashing: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["list"]) == 1
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "offload.cpu" in out and "CLASH" in out
+    assert "strategy 'none' is offered twice: by torchstash 0.1.0 by torchstash-evil 6.6" in out
+    assert "'quant' is claimed by 2 distributions: other-quant 6.6" in out
+    assert main(["list", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert [(s["name"], s["distribution"]) for s in data["strategies"]] == [
+        ("none", "torchstash"),
+        ("offload.cpu", "torchstash"),
+    ]
+    status = {p["prefix"]: (p["status"], p["error"]) for p in data["plugins"]}
+    assert status["none"][0] == status["quant"][0] == "CLASH"
+    assert "torchstash-evil 6.6" in status["none"][1]
+
+
+def test_doctor_reports_the_clashes(clashing: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--no-build", "--json"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "strategy 'none' is offered twice: by torchstash 0.1.0 by torchstash-evil 6.6" in out
+    assert "torchstash-quant 6.6 (fake_cli_evil:register)" in out
+    assert '"problems": 2' in out

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import re
 import sys
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -199,8 +200,8 @@ def test_bad_names_rejected(name: str) -> None:
 
 
 def test_options_are_validated() -> None:
-    def factory(bits: int = 8, group: int = 256) -> None:
-        return None
+    def factory(bits: int = 8, group: int = 256) -> object:
+        return torchstash.AS_IS
 
     reg = Registry(discover=lambda: [])
     s = reg.register("opt", factory, lossless=False, summary="")
@@ -216,3 +217,183 @@ def test_core_builtins_through_the_same_path() -> None:
     assert by_name["none"]["lossless"] is True
     assert by_name["offload.cpu"]["options"] == ["prefetch", "pin_memory"]
     assert by_name["offload.cpu"]["version"] == torchstash.__version__
+
+
+# -- clashes, failing plug-ins, strict factories -----------------------------------------------
+
+
+def _evil_none() -> str:
+    return "the plug-in's none"
+
+
+def test_plugin_registering_none_keeps_the_builtin(monkeypatch: pytest.MonkeyPatch) -> None:
+    plugin_module(
+        monkeypatch,
+        "fake_none",
+        lambda r: r.register("none", _evil_none, lossless=True, summary="evil"),
+    )
+    reg = registry_with(
+        monkeypatch, FakeDist("torchstash-evil", "6.6", {"none": "fake_none:register"})
+    )
+    reg._builtins = lambda r: r.register("none", _factory, lossless=True, summary="core")
+    for _ in range(2):  # every time, not only the first: never the plug-in's, never silently
+        with pytest.raises(DuplicateStrategyError, match=r"(?s)'none'.*torchstash 0.1.0.*evil 6.6"):
+            reg.get("none")
+    assert [(s.name, s.distribution) for s in reg.strategies()] == [("none", "torchstash")]
+    (record,) = reg.plugins()
+    assert isinstance(record.error, DuplicateStrategyError) and not record.loaded
+
+
+def test_prefix_claimed_twice_is_recorded_not_raised_by_listing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plugin_module(monkeypatch, "fake_q", lambda r: None)
+    reg = registry_with(
+        monkeypatch,
+        FakeDist("dist-one", "1", {"q": "fake_q:register"}),
+        FakeDist("dist-two", "2", {"q": "fake_q:register"}),
+    )
+    (record,) = reg.plugins()  # listing loads everything and does not raise
+    assert isinstance(record.error, DuplicateStrategyError)
+    assert (record.distribution, record.version) == ("dist-one and dist-two", "1 and 2")
+    for _ in range(2):
+        with pytest.raises(DuplicateStrategyError, match=r"(?s)dist-one 1.*dist-two 2"):
+            reg.get("q.int8")
+
+
+class _Abort(BaseException):
+    """A plug-in's own BaseException (not an Exception)."""
+
+
+@pytest.mark.parametrize("error", [SystemExit(3), _Abort("stop"), GeneratorExit(), ValueError()])
+def test_plugin_raising_anything_is_isolated_and_rolled_back(
+    monkeypatch: pytest.MonkeyPatch, error: BaseException
+) -> None:
+    def half(r: Any) -> None:
+        r.register("h.one", _factory, lossless=True, summary="")
+        raise error
+
+    plugin_module(monkeypatch, "fake_half", half)
+    plugin_module(
+        monkeypatch, "fake_ok2", lambda r: r.register("ok", _factory, lossless=True, summary="")
+    )
+    reg = registry_with(
+        monkeypatch,
+        FakeDist("torchstash-h", "1", {"h": "fake_half:register"}),
+        FakeDist("torchstash-ok", "1", {"ok": "fake_ok2:register"}),
+    )
+    with pytest.raises(PluginLoadError, match="torchstash-h 1") as e:
+        reg.get("h.one")
+    assert e.value.__cause__ is error
+    assert reg.names() == ["ok"]  # nothing of h's stays visible; ok loads
+    with pytest.raises(PluginLoadError):
+        reg.get("h.one")
+
+
+def test_keyboard_interrupt_propagates_rolled_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    interrupt = [True]
+
+    def half(r: Any) -> None:
+        r.register("k.one", _factory, lossless=True, summary="")
+        if interrupt.pop():
+            raise KeyboardInterrupt
+
+    calls = plugin_module(monkeypatch, "fake_k", half)
+    reg = registry_with(monkeypatch, FakeDist("torchstash-k", "1", {"k": "fake_k:register"}))
+    with pytest.raises(KeyboardInterrupt):
+        reg.get("k.one")
+    assert "k.one" not in reg._strategies and "k" not in reg._plugins
+    interrupt.append(False)
+    assert reg.get("k.one").distribution == "torchstash-k"  # the next request loads it again
+    assert calls == [1, 1]
+
+
+def test_failed_plugin_keeps_a_plugin_it_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    def outer(r: Any) -> None:
+        r.get("inner.x")
+        r.register("outer.x", _factory, lossless=True, summary="")
+        raise RuntimeError("outer breaks after loading inner")
+
+    plugin_module(monkeypatch, "fake_outer", outer)
+    plugin_module(
+        monkeypatch,
+        "fake_inner",
+        lambda r: r.register("inner.x", _factory, lossless=True, summary=""),
+    )
+    reg = registry_with(
+        monkeypatch,
+        FakeDist("torchstash-outer", "1", {"outer": "fake_outer:register"}),
+        FakeDist("torchstash-inner", "1", {"inner": "fake_inner:register"}),
+    )
+    with pytest.raises(PluginLoadError):
+        reg.get("outer.x")
+    assert reg.names() == ["inner.x"]
+    assert {r.prefix: r.loaded for r in reg.plugins()} == {"inner": True, "outer": False}
+
+
+def test_plugin_may_not_unregister_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    plugin_module(monkeypatch, "fake_u", lambda r: r.unregister("none"))
+    reg = registry_with(monkeypatch, FakeDist("torchstash-u", "1", {"u": "fake_u:register"}))
+    reg._builtins = lambda r: r.register("none", _factory, lossless=True, summary="core")
+    with pytest.raises(PluginLoadError) as e:
+        reg.get("u.x")
+    assert "may only unregister names under its own prefix" in str(e.value.__cause__)
+    assert reg.get("none").distribution == "torchstash"
+
+
+def test_in_process_register_of_a_core_name_fails_at_once() -> None:
+    reg = Registry(
+        discover=lambda: [],
+        builtins=lambda r: r.register("none", _factory, lossless=True, summary="core"),
+    )
+    with pytest.raises(DuplicateStrategyError, match=r"(?s)torchstash 0.1.0.*<in-process>"):
+        reg.register("none", _evil_none, lossless=True, summary="mine")
+    assert reg.get("none").distribution == "torchstash"
+
+
+def test_factory_returning_none_names_strategy_and_distribution(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def forgot_return() -> None:
+        pass
+
+    plugin_module(
+        monkeypatch,
+        "fake_n",
+        lambda r: r.register("n.codec", forgot_return, lossless=True, summary=""),
+    )
+    reg = registry_with(monkeypatch, FakeDist("torchstash-n", "2.1", {"n": "fake_n:register"}))
+    with pytest.raises(RegistryError, match=r"'n.codec' from torchstash-n 2.1: .*returned None"):
+        reg.get("n.codec").create()
+    assert torchstash.REGISTRY.get("none").create() is None  # AS_IS: stored as is
+
+
+def test_option_values_checked_against_annotations() -> None:
+    def factory(
+        stochastic: bool = True,
+        seed: int | None = None,
+        budget: float = 2.0,
+        bits: tuple[int, ...] = (2, 4),
+        mode: Literal["fast", "exact"] = "fast",
+        level: int | str | None = "auto",
+        other: object = None,
+    ) -> object:
+        return torchstash.AS_IS
+
+    s = Registry(discover=lambda: []).register("typed", factory, lossless=True, summary="")
+    s.create(stochastic=False, seed=3, budget=3, bits=[2, 8], mode="exact", level="x", other=[])
+    s.create(seed=None, level=None)
+    for key, value, message in [
+        ("stochastic", "no", "True or False"),
+        ("stochastic", 1, "True or False"),
+        ("seed", "abc", "an integer or None"),
+        ("seed", 1.5, "an integer or None"),
+        ("seed", True, "an integer or None"),
+        ("budget", "2", "a number"),
+        ("bits", (2, "4"), "a tuple whose items are each an integer"),
+        ("mode", "slow", "'fast' or 'exact'"),
+    ]:
+        with pytest.raises(
+            OptionError, match=rf"'typed': option {key}={re.escape(repr(value))} must be {message}"
+        ):
+            s.create(**{key: value})

@@ -56,6 +56,22 @@ def test_random_p_is_checked() -> None:
         ts.apply(nn.Linear(4, 4), "dropit.random", p=1.5)
 
 
+@pytest.mark.parametrize(
+    ("strategy", "options", "message"),
+    [
+        ("dropit.random", {"seed": "abc"}, r"seed='abc' must be an integer or None"),
+        ("dropit.random", {"min_numel": "1"}, r"min_numel='1' must be an integer"),
+        ("dropit.mink", {"exact": "no"}, r"exact='no' must be True or False"),
+    ],
+)
+def test_text_for_a_flag_or_number_is_an_error(
+    strategy: str, options: dict[str, object], message: str
+) -> None:
+    """As options come from a command line (``dropit.random:seed=abc``) or a TOML table."""
+    with pytest.raises(OptionError, match=message):
+        ts.apply(nn.Linear(4, 4), strategy, **options)
+
+
 def test_gamma_zero_is_exact() -> None:
     model, x = mlp(), torch.randn(8, 16, 64)
     ref, ref_x, _ = grads(model, x)

@@ -28,6 +28,12 @@ ZOO = {e.name: e for e in zoo("tiny")}
         ("quant.int8", {"norm_bits": "high"}, r"norm_bits='high'"),
         ("quant.int2", {"attn_bits": 3}, r"attn_bits=3 must be 1, 2, 4, 8 or None"),
         ("quant.int8", {"bitz": 2}, r"It accepts: group_size, stochastic, seed, norm_bits"),
+        ("quant.int8", {"stochastic": "no"}, r"stochastic='no' must be True or False"),
+        ("quant.int4", {"seed": "abc"}, r"seed='abc' must be an integer or None"),
+        ("quant.mesa", {"stochastic": "no"}, r"stochastic='no' must be True or False"),
+        ("quant.auto", {"derive": "no"}, r"derive='no' must be True or False"),
+        ("quant.auto", {"interval": 2.5}, r"interval=2.5 must be an integer"),
+        ("quant.L2", {"seed": 1.5}, r"seed=1.5 must be an integer or None"),
     ],
 )
 def test_bad_options_name_the_option(
@@ -35,6 +41,19 @@ def test_bad_options_name_the_option(
 ) -> None:
     with pytest.raises(OptionError, match=message):
         ts.apply(nn.Linear(4, 4), strategy, **options)
+
+
+@pytest.mark.parametrize(
+    ("spec", "option"),
+    [("quant.int8:stochastic=no", "stochastic='no'"), ("quant.int2:seed=abc", "seed='abc'")],
+)
+def test_command_line_options_are_checked(spec: str, option: str) -> None:
+    """``--strategy quant.int8:stochastic=no`` was accepted as stochastic (a non-empty string)."""
+    from torchstash.policy import parse_spec
+
+    name, options = parse_spec(spec)
+    with pytest.raises(OptionError, match=rf"'{name}': option {option}"):
+        ts.apply(nn.Linear(4, 4), name, **options)
 
 
 def is_unbiased(compress_decompress: object, x: torch.Tensor, draws: int = 300) -> bool:

@@ -17,10 +17,11 @@ from .measure import ModuleRow, Report, measure
 from .packed import Packed
 from .plan import Rewriter, Swapped
 from .policy import Policy, Rule
-from .registry import REGISTRY, Registry, Strategy, register_strategy
+from .registry import AS_IS, REGISTRY, Registry, Strategy, register_strategy
 from .site import Site
 
 __all__ = [
+    "AS_IS",
     "REGISTRY",
     "BaseCompressor",
     "Composed",

@@ -13,9 +13,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ._version import __version__
+from .errors import DuplicateStrategyError
+from .registry import PluginRecord
 
 
 def _console() -> Console:
@@ -23,7 +26,7 @@ def _console() -> Console:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    """Installed strategies and plug-ins."""
+    """Installed strategies and plug-ins; exit 1 if a plug-in failed to load or clashed."""
     from .registry import REGISTRY
 
     console = _console()
@@ -39,7 +42,7 @@ def cmd_list(args: argparse.Namespace) -> int:
                 indent=2,
             )
         )
-        return 0
+        return 1 if _failed(plugins) else 0
     t = Table(title=f"torchstash {__version__}: strategies")
     for col in ("strategy", "from", "lossless", "options", "summary"):
         t.add_column(col)
@@ -60,23 +63,47 @@ def cmd_list(args: argparse.Namespace) -> int:
         d = _plugin_dict(rec, strategies)
         p.add_row(rec.prefix, rec.distribution, rec.version, d["status"], str(d["strategies"]))
     console.print(p)
-    return 0
+    _print_failures(console, plugins, tracebacks=False)
+    return 1 if _failed(plugins) else 0
 
 
 def _count(strategies: Sequence[Any], dist: str) -> str:
     return str(sum(1 for s in strategies if s.distribution == dist))
 
 
-def _plugin_dict(rec: Any, strategies: Sequence[Any]) -> dict[str, Any]:
-    status = "loaded" if rec.loaded else "disabled" if rec.disabled else f"FAILED: {rec.error!r}"
+def _status(rec: PluginRecord) -> str:
+    if rec.error is not None:
+        return "CLASH" if isinstance(rec.error, DuplicateStrategyError) else "FAILED"
+    return "loaded" if rec.loaded else "disabled" if rec.disabled else "not loaded"
+
+
+def _plugin_dict(rec: PluginRecord, strategies: Sequence[Any]) -> dict[str, Any]:
     return {
         "prefix": rec.prefix,
         "distribution": rec.distribution,
         "version": rec.version,
         "target": rec.target,
-        "status": status,
+        "status": _status(rec),
+        "error": None if rec.error is None else str(rec.error) or repr(rec.error),
         "strategies": int(_count(strategies, rec.distribution)),
     }
+
+
+def _failed(plugins: Sequence[PluginRecord]) -> list[PluginRecord]:
+    return [rec for rec in plugins if rec.error is not None]
+
+
+def _print_failures(console: Console, plugins: Sequence[PluginRecord], *, tracebacks: bool) -> None:
+    """A clash in full (it names both sides); a failure with its traceback in ``doctor``."""
+    for rec in _failed(plugins):
+        assert rec.error is not None
+        if isinstance(rec.error, DuplicateStrategyError):
+            console.print(f"[red]plug-in prefix {rec.prefix!r} clashes:[/red]")
+            console.print(str(rec.error), markup=False)
+        else:
+            console.print(f"[red]{rec.distribution} ({rec.target}) failed to load:[/red]")
+            lines = traceback.format_exception(rec.error) if tracebacks else [repr(rec.error)]
+            console.print("".join(lines).rstrip(), markup=False)
 
 
 def _first_line(cmd: list[str]) -> str:
@@ -133,23 +160,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     p = Table(title="plug-ins")
     for col in ("prefix", "distribution", "status"):
         p.add_column(col)
-    for rec in REGISTRY.plugins():
+    plugins = REGISTRY.plugins()
+    for rec in plugins:
+        status = _status(rec)
         if rec.error is not None:
             problems += 1
-            p.add_row(
-                rec.prefix, f"{rec.distribution} {rec.version}", f"[red]FAILED[/red] {rec.error!r}"
-            )
-        else:
-            p.add_row(
-                rec.prefix,
-                f"{rec.distribution} {rec.version}",
-                "disabled" if rec.disabled else "loaded",
-            )
+            detail = "" if status == "CLASH" else f" {escape(repr(rec.error))}"  # it is below
+            status = f"[red]{status}[/red]{detail}"
+        p.add_row(rec.prefix, f"{rec.distribution} {rec.version}", status)
     console.print(p)
-    for rec in REGISTRY.plugins():
-        if rec.error is not None:
-            console.print(f"[red]{rec.distribution} ({rec.target}) failed to load:[/red]")
-            console.print("".join(traceback.format_exception(rec.error)), markup=False)
+    _print_failures(console, plugins, tracebacks=True)
     if args.json:
         print(json.dumps({"kernels": st, "problems": problems}, indent=2, default=str))
     return 1 if problems else 0

@@ -4,7 +4,10 @@ A plug-in declares one entry point in the group ``torchstash.plugins``; its name
 the plug-in owns (``quant`` owns ``quant`` and ``quant.*``) and its value a ``register(registry)``
 function that calls :meth:`Registry.register` -- the same call a user makes in-process.
 Plug-ins load lazily, by the prefix of the name asked for. A plug-in that fails to load breaks
-only requests for its own prefix, with the cause chained.
+only requests for its own prefix, with the cause chained; whatever it registered before failing
+is taken back. A clash (a prefix claimed twice, a name offered twice) keeps the first provider
+and fails every request under the clashing prefix, naming both sides, as pluggy does: picking
+one silently would run code the user did not choose.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import env
+from . import options as _options
 from .errors import (
     DuplicateStrategyError,
     OptionError,
@@ -30,6 +34,16 @@ GROUP = "torchstash.plugins"
 IN_PROCESS = "<in-process>"
 
 Factory = Callable[..., Any]
+
+
+class _AsIs:
+    def __repr__(self) -> str:
+        return "torchstash.AS_IS"
+
+
+#: What a factory returns to store saved tensors as they are (``none``, ``quant.L0``). A
+#: factory returning None is an error: that is most often a missing ``return``.
+AS_IS: Any = _AsIs()
 
 
 @dataclass(frozen=True)
@@ -63,18 +77,27 @@ class Strategy:
             "preset": self.preset,
         }
 
-    def create(self, **options: Any) -> Any:
-        """Build the strategy's object; an unknown or missing option is an :class:`OptionError`."""
+    def create(self, **kwargs: Any) -> Any:
+        """Build the strategy's object (None for :data:`AS_IS`). An unknown or missing option,
+        or a value its annotation rejects, is an :class:`OptionError`."""
         sig = inspect.signature(self.factory)
         try:
-            sig.bind(**options)
+            sig.bind(**kwargs)
         except TypeError as e:
             accepted = ", ".join(self.options()) or "none"
             raise OptionError(
-                f"strategy {self.name!r} cannot take options {sorted(options)}: {e}. "
+                f"strategy {self.name!r} cannot take options {sorted(kwargs)}: {e}. "
                 f"It accepts: {accepted}."
             ) from None
-        return self.factory(**options)
+        _options.check(self.name, self.factory, kwargs)
+        obj = self.factory(**kwargs)
+        if obj is None:
+            raise RegistryError(
+                f"strategy {self.name!r} from {_who(self.distribution, self.version)}: its "
+                f"factory returned None. A factory returns a compressor, a rewriter, or "
+                f"torchstash.AS_IS to store tensors as they are; report this to its maintainers."
+            )
+        return None if obj is AS_IS else obj
 
 
 @dataclass(frozen=True)
@@ -151,14 +174,9 @@ class Registry:
             raise RegistryError(f"strategy {name!r}: factory must be callable, got {factory!r}")
         with self._lock:
             if self._loading:
-                prefix, dist, version = self._loading[-1]
-                if prefix is not None and _prefix(name) != prefix:
-                    raise RegistryError(
-                        f"plug-in {dist} (entry point {prefix!r}) tried to register {name!r}; "
-                        f"a plug-in may only register names under its own prefix ({prefix!r} or "
-                        f"'{prefix}.*'). Rename the strategy or the entry point."
-                    )
+                dist, version = self._check_own(name, "register")
             else:
+                self._ensure_builtins()  # so taking a core name fails here, not at first use
                 dist, version = IN_PROCESS, ""
             existing = self._strategies.get(name)
             if existing is not None:
@@ -175,7 +193,20 @@ class Registry:
 
     def unregister(self, name: str) -> None:
         with self._lock:
+            if self._loading:
+                self._check_own(name, "unregister")
             self._strategies.pop(name, None)
+
+    def _check_own(self, name: str, verb: str) -> tuple[str, str]:
+        """The loading plug-in's distribution and version, if ``name`` is under its prefix."""
+        prefix, dist, version = self._loading[-1]
+        if prefix is not None and _prefix(name) != prefix:
+            raise RegistryError(
+                f"plug-in {dist} (entry point {prefix!r}) tried to {verb} {name!r}; "
+                f"a plug-in may only {verb} names under its own prefix ({prefix!r} or "
+                f"'{prefix}.*'). Rename the strategy or the entry point."
+            )
+        return dist, version
 
     # -- lookup -------------------------------------------------------------------------------
 
@@ -184,11 +215,13 @@ class Registry:
         with self._lock:
             self._ensure_builtins()
             self._load_prefix(_prefix(name))  # always: a clash with a known name must surface
+            record = self._plugins.get(_prefix(name))
+            if record is not None and isinstance(record.error, DuplicateStrategyError):
+                raise DuplicateStrategyError(f"cannot use {name!r}: {record.error}") from None
             try:
                 return self._strategies[name]
             except KeyError:
                 pass
-            record = self._plugins.get(_prefix(name))
             if record is not None and record.error is not None:
                 raise PluginLoadError(
                     f"strategy {name!r} belongs to plug-in {record.distribution} "
@@ -245,23 +278,24 @@ class Registry:
         return self._entry_points
 
     def _load_prefix(self, prefix: str) -> None:
-        if prefix in self._plugins:
+        """Load the plug-in owning ``prefix`` once. Its failure or clash goes into its record
+        (raised by :meth:`get` for its names); only KeyboardInterrupt propagates."""
+        if prefix in self._plugins or any(p == prefix for p, _, _ in self._loading):
             return
         eps = self._entry_point_map().get(prefix, [])
         if not eps:
             return
+        ep = eps[0]
         if len(eps) > 1:
-            sides = "\n".join(f"  {_who(ep.distribution, ep.version)} ({ep.target})" for ep in eps)
+            sides = "\n".join(f"  {_who(e.distribution, e.version)} ({e.target})" for e in eps)
             err = DuplicateStrategyError(
                 f"plug-in prefix {prefix!r} is claimed by {len(eps)} distributions:\n{sides}\n"
                 f"Uninstall all but one, or disable one with {env.DISABLE_PLUGINS}."
             )
-            ep = eps[0]
-            self._plugins[prefix] = PluginRecord(
-                prefix, " and ".join(e.distribution for e in eps), ep.version, ep.target, False, err
-            )
-            raise err
-        ep = eps[0]
+            dists = " and ".join(e.distribution for e in eps)
+            versions = " and ".join(e.version for e in eps)
+            self._plugins[prefix] = PluginRecord(prefix, dists, versions, ep.target, False, err)
+            return
         if _disabled(ep):
             self._plugins[prefix] = PluginRecord(
                 prefix, ep.distribution, ep.version, ep.target, False, disabled=True
@@ -274,23 +308,23 @@ class Registry:
                 raise RegistryError(f"entry point {ep.target!r} is not callable")
             with self._providing(prefix, ep.distribution, ep.version):
                 register(self)
-        except DuplicateStrategyError:
-            self._rollback(before)
-            self._plugins[prefix] = PluginRecord(
-                prefix, ep.distribution, ep.version, ep.target, False, None
-            )
+        except KeyboardInterrupt:  # the user's, not the plug-in's: stop, and retry next time
+            self._rollback(prefix, before)
             raise
-        except Exception as e:  # a broken plug-in breaks only its own names
-            self._rollback(before)
+        except BaseException as e:  # SystemExit too: a plug-in does not end the process
+            self._rollback(prefix, before)
             self._plugins[prefix] = PluginRecord(
                 prefix, ep.distribution, ep.version, ep.target, False, e
             )
             return
         self._plugins[prefix] = PluginRecord(prefix, ep.distribution, ep.version, ep.target, True)
 
-    def _rollback(self, before: set[str]) -> None:
+    def _rollback(self, prefix: str, before: set[str]) -> None:
+        """Take back what a failed plug-in registered (only its prefix: a plug-in it loaded
+        on the way stays loaded)."""
         for name in set(self._strategies) - before:
-            del self._strategies[name]
+            if _prefix(name) == prefix:
+                del self._strategies[name]
 
     @contextlib.contextmanager
     def _providing(self, prefix: str | None, dist: str, version: str) -> Iterator[None]:

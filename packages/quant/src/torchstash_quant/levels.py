@@ -21,6 +21,7 @@ from torchstash.compressor import BaseCompressor, Composed, Compressor
 from torchstash.errors import OptionError
 from torchstash.offload import CpuOffload
 from torchstash.packed import Packed
+from torchstash.registry import AS_IS
 from torchstash.site import Site
 
 from .strategies import auto, quant
@@ -71,8 +72,9 @@ def level(name: str, group_size: int = 256, seed: int | None = None) -> Compress
 
 
 def _factory(name: str) -> object:
-    def build(group_size: int = 256, seed: int | None = None) -> Compressor | None:
-        return level(name, group_size, seed)
+    def build(group_size: int = 256, seed: int | None = None) -> object:
+        codec = level(name, group_size, seed)
+        return AS_IS if codec is None else codec  # L0: a factory's None is an error
 
     build.__name__ = f"level_{name}"
     return build
