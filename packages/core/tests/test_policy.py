@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torchstash as ts
 from torchstash.errors import OptionError, PolicyError, UnknownStrategyError
 from torchstash.policy import Policy, Rule
 from torchstash.site import Site
+from torchstash.tomlheaders import header_lines
 from torchstash.zoo import zoo
 
 GPT = next(e for e in zoo("tiny") if e.name == "gpt")
@@ -201,3 +203,60 @@ def test_parse_spec_reads_options_as_literals() -> None:
         parse_spec("quant.auto:budget")
     with pytest.raises(PolicyError, match="name is missing"):
         parse_spec(":gamma=0.5")
+
+
+@pytest.mark.parametrize("role", ["inptu", "arg0", "parameter", "outputs", "inp?t*x"])
+def test_unknown_role_names_the_rule_and_line(role: str) -> None:
+    text = f'[[rule]]\nstrategy = "none"\n\n[[rule]]\nop = "linear"\nrole = "{role}"\n'
+    with pytest.raises(
+        PolicyError, match=rf"rule 2 \(r.toml, line 4\): unknown role {re.escape(repr(role))}"
+    ):
+        Policy.from_toml(text, "r.toml")
+
+
+@pytest.mark.parametrize("role", ["input", "output", "arg1", "arg12", "arg*", "*"])
+def test_known_roles_and_globs(role: str) -> None:
+    assert Policy.from_rules([{"role": role}]).rules[0].role == role
+
+
+def test_non_utf8_policy_file_names_the_file(tmp_path: Path) -> None:
+    for name in ("latin1.toml", "latin1.txt"):
+        f = tmp_path / name
+        f.write_bytes(b'[[rule]]\n# caf\xe9\nstrategy = "none"\n')
+        with pytest.raises(
+            PolicyError, match=re.escape(f"'{f}' is not UTF-8 text: byte 0xe9 on line 2")
+        ):
+            Policy.load(f)
+
+
+TRICKY = '''\
+[[ rule ]]                    # 1: spaces inside the brackets
+module = """
+[[rule]]
+"""
+strategy = "none"
+
+  [["rule"]]
+strategy = "quant.int8"
+options.groups = [
+[["rule"]]
+]
+options.note = '[[rule]]'  # [[rule]]
+[[rule]]
+tpye = "gelu"
+'''
+
+
+def test_toml_line_numbers_survive_spaces_strings_and_arrays() -> None:
+    assert header_lines(TRICKY) == [1, 7, 13]
+    with pytest.raises(PolicyError, match=r"rule 3 \(t.toml, line 13\).*'tpye'"):
+        Policy.from_toml(TRICKY, "t.toml")
+    literal = "[[rule]]\nmodule = '''\n[[rule]]'''\n[[rule]]\nstrategy = \"x\"\n"
+    assert header_lines(literal) == [1, 4]
+    escaped = '[[rule]]\nmodule = """\\"""\n[[rule]]\n"""\n[[rule]]\n'
+    assert header_lines(escaped) == [1, 5]
+
+
+def test_inline_rules_give_no_line_rather_than_a_wrong_one() -> None:
+    with pytest.raises(PolicyError, match=r"rule 2 \(i.toml\): unknown key"):
+        Policy.from_toml('rule = [{strategy = "none"}, {tpye = "gelu"}]\n', "i.toml")

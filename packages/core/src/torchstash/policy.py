@@ -10,7 +10,7 @@ Selectors:
   ``module`` glob on the module's qualified name (``blocks.*.mlp``)
   ``op``     op that saved the tensor (``linear``, ``matmul``, ``softmax``, ``gelu``...)
   ``op_index`` with ``op``: the op's occurrence index in one forward
-  ``role``   the tensor's role in that op (``input``, ``arg1``, ``output``)
+  ``role``   the tensor's role in that op (``input``, ``arg1``, ``arg2``..., ``output``; a glob)
   ``tag``    a ``type`` or an ``op`` (Mesa's tags cover modules and functional ops alike)
 """
 
@@ -29,9 +29,13 @@ from . import tags
 from .errors import PolicyError
 from .optrack import is_known_op
 from .site import Site
+from .tomlheaders import header_lines
 
 SELECTORS = ("type", "index", "module", "op", "op_index", "role", "tag")
 RULE_KEYS = (*SELECTORS, "strategy", "options", "enable")
+#: the roles a saved tensor can have (see :func:`torchstash.optrack.role_of`), for checking a
+#: rule's ``role`` glob: one that matches none of them would silently select nothing
+ROLES = ("input", *(f"arg{i}" for i in range(1, 100)), "output")
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,14 @@ class Rule:
     tag: str | None = None
     #: where the rule came from, for error messages ("rule 3 (policy.toml, line 12)")
     source: str = "rule"
+
+    def __post_init__(self) -> None:
+        if self.role is not None and not any(fnmatch.fnmatchcase(r, self.role) for r in ROLES):
+            hint = _did_you_mean(self.role, ("input", "arg1", "arg2", "output"))
+            raise PolicyError(
+                f"{self.source}: unknown role {self.role!r}{hint}. A tensor's role in its op is "
+                f"input, arg1, arg2, ... or output (a glob such as 'arg*' matches several)."
+            )
 
     @property
     def selects_tensors_only(self) -> bool:
@@ -118,10 +130,12 @@ class Policy:
         raw_rules = data.get("rule", [])
         if not isinstance(raw_rules, list):
             raise PolicyError(f"{name}: write rules as [[rule]] tables, not [rule]")
-        lines = [i for i, ln in enumerate(text.splitlines(), 1) if ln.strip().startswith("[[rule")]
+        lines = header_lines(text)
+        if len(lines) != len(raw_rules):  # rule = [...] written inline: no header to point at
+            lines = []
         rules = []
         for i, r in enumerate(raw_rules):
-            line = f", line {lines[i]}" if i < len(lines) else ""
+            line = f", line {lines[i]}" if lines else ""
             rules.append(rule_from_dict(r, f"rule {i + 1} ({name}{line})"))
         return cls(rules, name)
 
@@ -137,9 +151,17 @@ class Policy:
         """A policy file: TOML (``.toml``) or Mesa's text format (anything else)."""
         p = Path(path)
         try:
-            text = p.read_text()
+            data = p.read_bytes()
         except OSError as e:
             raise PolicyError(f"cannot read policy file {str(p)!r}: {e}") from None
+        try:
+            text = data.decode("utf-8-sig")  # TOML is UTF-8 whatever the locale; a BOM is fine
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise PolicyError(
+                f"policy file {str(p)!r} is not UTF-8 text: byte {data[e.start]:#04x} on line "
+                f"{line} ({e.reason}). Save it as UTF-8."
+            ) from None
         if p.suffix == ".toml":
             return cls.from_toml(text, p.name)
         return cls.from_mesa(text, p.name)
