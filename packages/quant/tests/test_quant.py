@@ -186,9 +186,11 @@ def test_bool_tensors_take_one_bit() -> None:
         ("quant.int8", "vit", 3.8, 1.9, 0.999),
         ("quant.int4", "vit", 7.0, 3.5, 0.99),
         ("quant.int4", "gpt", 7.0, 3.5, 0.99),
-        ("quant.int2", "gpt", 12.0, 6.0, 0.97),
+        # LayerNorm inputs carry an exact offset per row (torchstash_quant.centered): tiny
+        # GPT 11.85x under int2 (12.37x without), mesa 3.79x (3.80x)
+        ("quant.int2", "gpt", 11.7, 5.8, 0.97),
         ("quant.int2", "vit", 11.0, 5.5, 0.97),  # tiny: 11.4x (small: 12.4x)
-        ("quant.mesa", "gpt", 3.8, 1.9, 0.999),
+        ("quant.mesa", "gpt", 3.7, 1.85, 0.999),
         ("quant.mesa", "vit", 3.8, 1.9, 0.999),
         ("quant.fp8", "vit", 3.8, 1.9, 0.999),
         # max-pool positions in 4 bits, conv inputs after bn1's ReLU recomputed: 5.4x

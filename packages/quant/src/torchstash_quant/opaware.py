@@ -36,6 +36,7 @@ from torchstash.packed import Packed
 from torchstash.site import Site
 
 from ._dtypes import dtype_reasons
+from .centered import MIN_CENTERED_ROW, center_rows, uncenter
 from .derivs import CODEC as DERIV_CODEC
 from .derivs import DERIV_OPS, DerivCoder, unpack_derivative
 from .masks import (
@@ -98,7 +99,7 @@ class OpAware(BaseCompressor):
         self.derive = derive
         self.name = values.name
         self.composable = getattr(values, "composable", None)
-        #: the value codec takes ``group_size=`` per tensor (see :meth:`_norm_group_size`)
+        #: the value codec takes ``group_size=`` per tensor (see :meth:`_compress_centered`)
         self._aligns = bool(getattr(values, "aligns_groups", False))
 
     def _aligned(self, run: int | None) -> int | None:
@@ -107,14 +108,6 @@ class OpAware(BaseCompressor):
         if not self._aligns:
             return None
         return aligned_group_size(run, getattr(self.values, "group_size", 256))
-
-    def _norm_group_size(self, x: torch.Tensor, site: Site) -> int | None:
-        return self._aligned(normalized_run(x, site))
-
-    def _channel_major_group_size(self, x: torch.Tensor, site: Site) -> int | None:
-        """Group size for a BatchNorm input stored channel-major (see :mod:`.rows`), when its
-        planes are too short to hold a group."""
-        return self._aligned(channel_major_run(x, site))
 
     def _row_group_size(self, x: torch.Tensor) -> int | None:
         """A group size that keeps each group inside one row (innermost dimension), where
@@ -150,7 +143,7 @@ class OpAware(BaseCompressor):
             and x.is_floating_point()
         ):
             return "deriv"
-        if site.op in NORM_OPS and (self.norms is not None or self._aligns):
+        if site.op in NORM_OPS and site.role == "input" and x.is_floating_point():
             return "norm"
         if self.attn_bits is not None and self._aligns and is_attention(x, site):
             return "attn"
@@ -189,13 +182,16 @@ class OpAware(BaseCompressor):
                 return reasons
         if site.op in NORM_OPS and site.role == "output":
             return [f"{site.op}'s saved statistics (mean, rstd) are small and kept exact"]
-        if (
-            kind == "norm"
-            and self.norms is not None
-            and self._norm_group_size(x, site) is None
-            and self._channel_major_group_size(x, site) is None
-        ):
-            return self.norms.unsupported(x, site)
+        if kind == "norm" and self._centered_layout(x, site) is None:
+            return [
+                f"{site.op}'s input has rows of fewer than {MIN_CENTERED_ROW} elements per "
+                "statistic: kept exact (per-row offsets would cost about as much as the codes)"
+            ]
+        if kind == "norm":
+            _, run = self._centered_layout(x, site) or (False, 0)
+            if self._aligned(run) is None and self.norms is not None:
+                return self.norms.unsupported(x, site)
+            return self.values.unsupported(x, site)
         if kind and kind not in ("attn", "act"):
             return []
         return self.values.unsupported(x, site)
@@ -216,25 +212,17 @@ class OpAware(BaseCompressor):
             assert self.derivs is not None
             return self.derivs.pack(x, site)
         if kind == "norm":
-            bits = self._stand_in_bits(site)
-            aligned = self._norm_group_size(x, site)
-            if aligned is not None:
-                return self.values.compress(  # type: ignore[call-arg]
-                    x, site, group_size=aligned, bits=bits
-                )
-            channel = self._channel_major_group_size(x, site)
-            if channel is not None:
-                packed = self.values.compress(  # type: ignore[call-arg]
-                    x.transpose(0, 1).contiguous(), site, group_size=channel, bits=bits
-                )
-                packed.shape = x.shape
-                packed.meta["channel_major"] = True
-                return packed
-        if kind == "norm" and self.norms is not None:
-            packed = self.norms.compress(x, site)
-            if isinstance(packed, Packed):
-                packed.meta["norm"] = True
-            return packed
+            layout = self._centered_layout(x, site)
+            assert layout is not None  # unsupported() declined it otherwise
+            channel_major, run = layout
+            if channel_major:  # (N, C, ...) as (C, N, ...): a BatchNorm channel per row
+                packed = self._compress_centered(x.transpose(0, 1).contiguous(), site, run)
+                if isinstance(packed, Packed):
+                    packed.shape = x.shape
+                    packed.meta["channel_major"] = True
+                    return packed
+                return x
+            return self._compress_centered(x, site, run)
         rows = self._row_group_size(x)
         if kind in ("attn", "act"):
             bits = self.attn_bits if kind == "attn" else self.act_bits
@@ -243,7 +231,44 @@ class OpAware(BaseCompressor):
             return self.values.compress(x, site, group_size=rows)  # type: ignore[call-arg]
         return self.values.compress(x, site)
 
+    def _centered_layout(self, x: torch.Tensor, site: Site) -> tuple[bool, int] | None:
+        """How a normalization input is laid out in rows that share a statistic: (stored
+        channel-major, row length), or None when its rows are too short to code."""
+        run = normalized_run(x, site)
+        if run is not None and run >= MIN_CENTERED_ROW:
+            return False, run
+        run = channel_major_run(x, site)  # a BatchNorm's small maps: a channel over the batch
+        if run is not None and run >= MIN_CENTERED_ROW:
+            return True, run
+        return None
+
+    def _compress_centered(self, x: torch.Tensor, site: Site, run: int) -> Packed | torch.Tensor:
+        """A normalization input coded relative to each normalized row (:mod:`.centered`):
+        in row-aligned groups where the codec takes them, else by the ``norms`` codec or the
+        codec itself."""
+        centered, offsets, constant = center_rows(x, run)
+        aligned = self._aligned(run)
+        if aligned is not None:
+            packed = self.values.compress(  # type: ignore[call-arg]
+                centered, site, group_size=aligned, bits=self._stand_in_bits(site)
+            )
+        elif self.norms is not None:
+            packed = self.norms.compress(centered, site)
+            if isinstance(packed, Packed):
+                packed.meta["norm"] = True
+        else:
+            packed = self.values.compress(centered, site)
+        if not isinstance(packed, Packed):
+            return x  # the codec declined the centered values: kept as is
+        packed.tensors["offset"] = offsets
+        packed.tensors["constant"] = constant
+        packed.meta["centered"] = True
+        packed.dtype = x.dtype  # the codes hold float32 centered values
+        return packed
+
     def decompress(self, packed: Packed) -> torch.Tensor:
+        if packed.meta.get("centered"):
+            return self._decompress_centered(packed)
         if packed.codec == "quant.bool":
             return unpack_bool(packed)
         if packed.codec == "quant.sign":
@@ -254,10 +279,20 @@ class OpAware(BaseCompressor):
             return unpack_derivative(packed)
         if packed.codec == POOL_CODEC:
             return unpack_pool_positions(packed)
-        if packed.meta.get("channel_major"):
-            shape = packed.shape
-            swapped = replace(packed, shape=torch.Size([shape[1], shape[0], *shape[2:]]))
-            return self.values.decompress(swapped).transpose(0, 1)
         if packed.meta.get("norm") and self.norms is not None:
             return self.norms.decompress(packed)
         return self.values.decompress(packed)
+
+    def _decompress_centered(self, packed: Packed) -> torch.Tensor:
+        """:meth:`_compress_centered` undone: the float32 centered values decoded, each
+        row's offset added back, and a channel-major tensor turned back to ``(N, C, ...)``."""
+        tensors = dict(packed.tensors)
+        offsets, constant = tensors.pop("offset"), tensors.pop("constant")
+        assert isinstance(offsets, torch.Tensor) and isinstance(constant, torch.Tensor)
+        meta = {k: v for k, v in packed.meta.items() if k not in ("centered", "channel_major")}
+        shape, major = packed.shape, bool(packed.meta.get("channel_major"))
+        if major:
+            shape = torch.Size([shape[1], shape[0], *shape[2:]])
+        inner = replace(packed, shape=shape, dtype=torch.float32, tensors=tensors, meta=meta)
+        x = uncenter(self.decompress(inner), offsets, constant, packed.dtype)
+        return x.transpose(0, 1) if major else x
