@@ -124,6 +124,18 @@ def compare(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def convergence(session: nox.Session) -> None:
+    """Validation loss against stock's for every strategy on an SDPA GPT, a manual-attention
+    GPT and a BatchNorm/SE CNN, 300 steps each, with each strategy's target.
+
+    Arguments after -- go to scripts/convergence.py, e.g.
+    `nox -s convergence -- --threads 1 --json conv.json --markdown conv.md --check`."""
+    _install(session, "core", *PLUGINS)
+    session.install("rich")
+    session.run("python", "scripts/convergence.py", *session.posargs)
+
+
+@nox.session(default=False)
 def slow(session: nox.Session) -> None:
     """Long-running tests (marked slow)."""
     _install(session, "core", *PLUGINS)
