@@ -10,7 +10,7 @@ restored input in backward. The bytes saved can buy the input a wider code, so t
 comes back closer to exact than its own code of the same total size would give.
 
 Attention's output is recomputed the same way: ``attn @ v`` from the two operands the matmul
-saved, carried through the ``transpose``/``reshape`` copy that feeds the output projection
+saved (a fused ``scaled_dot_product_attention`` saves its output itself), carried through the ``transpose``/``reshape`` copy that feeds the output projection
 (:data:`LAYOUT_OPS`: a recipe for an op's input is one for its output, one step longer); so
 is a training BatchNorm's output, carried through the (in-place) ReLU after it
 (:data:`POINTWISE_OPS`). Under autocast the engine also matches a projection's bf16 copy of
@@ -30,8 +30,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-#: Ops whose output the engine can recompute from their saved inputs.
-DERIVE_OPS = frozenset({"gelu", "silu", "layer_norm", "batch_norm", "matmul"})
+#: Fused attention: it saves its own output (for backward), which the projection after it
+#: saves again as a transposed copy; that copy is the saved output, a layout step later.
+SDPA = "scaled_dot_product_attention"
+#: Ops whose output the engine can recompute from what they saved.
+DERIVE_OPS = frozenset({"gelu", "silu", "layer_norm", "batch_norm", "matmul", SDPA})
 #: Functions whose result is the plain product of the two operands they save (no scaling,
 #: no bias, no sum over a third operand): a matmul recipe is offered for these only.
 MATMUL_FUNCS = frozenset({"matmul", "__matmul__", "bmm", "mm"})
@@ -144,12 +147,27 @@ def _product_numel(a: Sequence[int], b: Sequence[int]) -> int:
     return _numel(batch) * a[-2] * b[-1]
 
 
+def save_kind(op: str, role: str, t: torch.Tensor, args: Sequence[Any]) -> str:
+    """What a tensor a :data:`DERIVE_OPS` call saves is to its recipe: ``"source"`` (an
+    operand the output is recomputed from), ``"stat"`` (a statistic the recipe needs, saved
+    after its inputs: a LayerNorm's mean and rstd) or ``""`` (not needed)."""
+    if op == "matmul":
+        return "source"
+    if op == SDPA:  # its output only: q, k, v and the log-sum-exp are for its own backward
+        q = args[0] if args else None
+        shaped = isinstance(q, torch.Tensor) and t.shape[:-1] == q.shape[:-1]
+        return "source" if role == "output" and shaped else ""
+    return "source" if role == "input" else "stat"
+
+
 def recipe(op: str, args: Sequence[Any], kwargs: dict[str, Any], func: str = "") -> Recipe | None:
     """The recipe for the running call of ``op`` (raw function name ``func``), or None when
     its output cannot be rebuilt from its saved inputs alone (an in-place SiLU, a LayerNorm
     without its statistics, a matmul that adds a bias)."""
     if op == "matmul":
         return Recipe(op, {}, arity=2) if func in MATMUL_FUNCS else None
+    if op == SDPA:
+        return Recipe(op, {})
     if op == "gelu":
         approximate = _argument(args, kwargs, "approximate", 1) or "none"
         return Recipe(op, {"approximate": str(approximate)})
@@ -213,7 +231,12 @@ def _matmul(r: Recipe, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a, b)
 
 
+def _saved_output(r: Recipe, out: torch.Tensor) -> torch.Tensor:
+    return out
+
+
 _RECOMPUTE: dict[str, Callable[..., torch.Tensor]] = {
+    SDPA: _saved_output,
     "gelu": _gelu,
     "silu": _silu,
     "layer_norm": _layer_norm,

@@ -28,6 +28,7 @@ from .derive import (
     layout_step,
     matmul_order,
     recipe,
+    save_kind,
 )
 from .errors import CompressionError, KernelUnavailable
 from .optrack import STATE as OP_STATE
@@ -492,7 +493,8 @@ class Engine:
         d = tls.deriving
         if d is not None and d.call_id != call_id:
             d = tls.deriving = None  # an earlier call that raised
-        if site.op == "matmul" or site.role == "input":
+        kind = save_kind(site.op, site.role, t, OP_STATE.args)
+        if kind == "source":
             if d is None:
                 rec = recipe(site.op, OP_STATE.args, OP_STATE.kwargs, OP_STATE.raw)
                 if rec is None:
@@ -509,7 +511,7 @@ class Engine:
                 and bool(derivable(t, site))
             )
             d.sources.append((weakref.ref(entry), t.shape, site.role))
-        elif d is not None:  # a statistic the op saved after its input (mean, rstd)
+        elif kind == "stat" and d is not None:  # saved after its input (mean, rstd)
             if isinstance(entry.value, torch.Tensor) and entry.value is not _RELEASED:
                 d.recipe.stats.append(entry.value)
             else:
@@ -571,8 +573,13 @@ class Engine:
         if found is None or found[0]() is None:
             return
         key = _dedupe_key(result)
-        if key in self._recipes:
-            return  # a view of the same values in the same layout: already recomputable
+        same = self._recipes.get(key)
+        if same is not None:
+            # A view of the same values in the same layout (a fused attention's output,
+            # transposed back to contiguous, then reshaped): already recomputable. Held by
+            # this newer view now, so the recipe outlives the temporary one before it.
+            self._add_recipe(result, same[1], same[2])
+            return
         step = layout_step(func, args, kwargs)
         if step is not None:
             self._add_recipe(result, found[1].then(step), found[2])
