@@ -215,7 +215,9 @@ def test_bench_rows(bench_rows: list[dict[str, Any]]) -> None:
             assert r["ratio"] == 1.0 and r["time_ratio"] == 1.0 and r["error"] is None
         elif r["strategy"] == HALF:
             assert r["error"] is None and r["step_ms"] > 0 and r["time_ratio"] > 0
-            assert 1.2 < r["ratio"] <= 2.0 and r["saved_mb"] < r["raw_mb"]
+            # bf16 copies: about half, and less where stock holds a whole storage for a saved
+            # slice of it (the ViT's class token, x[:, 0]: 2.05x; the heap gauge agrees)
+            assert 1.2 < r["ratio"] <= 2.1 and r["saved_mb"] < r["raw_mb"]
         else:
             assert r["error"] and "on purpose" in r["error"] and r["ratio"] is None
 

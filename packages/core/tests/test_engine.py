@@ -47,17 +47,17 @@ def test_lossless_gradients_bit_identical(
 
 
 def independent_saved_bytes(model: nn.Module, fn: Any) -> int:
-    """What autograd saves, counted with a bare pair of hooks: activations once each (a
-    contiguous reshape of a saved tensor is the same memory)."""
-    params = {p.data_ptr() for p in model.parameters()} | {b.data_ptr() for b in model.buffers()}
-    seen: dict[tuple[Any, ...], int] = {}
+    """What autograd saves, counted with a bare pair of hooks as stock holds it: each storage
+    once and whole (a reshape or a view of a saved tensor is the same memory; a slice holds
+    all of its storage). The hooks keep every saved tensor, so no address is reused."""
+    state = [*model.parameters(), *model.buffers()]
+    params = {t.untyped_storage().data_ptr() for t in state}
+    seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, nn.Parameter) and t.data_ptr() not in params:
-            key = (t.data_ptr(), t.dtype, t.numel(), t._version)
-            if not t.is_contiguous():
-                key += (tuple(t.shape), t.stride())
-            seen[key] = t.numel() * t.element_size()
+        storage = t.untyped_storage()
+        if not isinstance(t, nn.Parameter) and storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

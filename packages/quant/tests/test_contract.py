@@ -87,6 +87,15 @@ def test_packed_bytes_are_what_the_bits_say(bits: int) -> None:
     assert p.nbytes() == (1 << 16) * bits // 8 + (1 << 16) // 256 * 4
 
 
+def test_fp8_bytes_count_the_padded_codes() -> None:
+    """quant.fp8 codes whole groups and keeps a view of the first ``n`` codes: the record
+    holds the padded buffer, 1024 bytes for 1000 elements, and 4 bfloat16 scales."""
+    p = Fp8Quantizer().compress(torch.randn(1000), Site())
+    codes = p.tensors["codes"]
+    assert isinstance(codes, torch.Tensor) and codes.numel() == 1000
+    assert p.nbytes() == 1024 + 4 * 2
+
+
 class TestAuto(CompressorContract):
     """Before its first allocation every site runs at the budget's width (2 bits)."""
 

@@ -71,12 +71,14 @@ class Report:
 
     @property
     def raw_bytes(self) -> int:
-        """Bytes stock PyTorch would keep for backward (each saved activation once)."""
+        """Bytes stock PyTorch would keep for backward: each saved activation's storage once
+        and whole (a view of a saved tensor adds nothing; a saved slice holds its storage)."""
         return sum(r.raw_bytes for r in self.rows)
 
     @property
     def stored_bytes(self) -> int:
-        """Bytes kept under the strategy (payloads, wherever they live)."""
+        """Bytes kept under the strategy, wherever they live: the storages of what is kept,
+        each once and whole (a payload's scales, indices and spare capacity included)."""
         return sum(r.stored_bytes for r in self.rows)
 
     @property

@@ -1,0 +1,100 @@
+"""Every shipped strategy's accounting against glibc's heap (torchstash.testing.heap), on CPU.
+
+For each model and strategy: the tally's raw bytes are what stock PyTorch's graph holds, its
+stored bytes what the strategy's graph holds, and so its ratio is the heap's, each within 2%.
+The models (:func:`torchstash.testing.heap.cases`) are read at twice their batch: the heap
+also holds a few hundred bytes of ``TensorImpl`` and ``StorageImpl`` per tensor kept, which
+no count of tensor bytes includes, and at that size they stay under 1% but for 2-bit codes
+(see ``INT2``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+import torchstash as ts
+from torchstash.testing import heap
+
+pytestmark = pytest.mark.skipif(
+    not heap.available(), reason=f"no heap gauge here: {heap.why_unavailable()}"
+)
+
+SCALE = 2
+TOLERANCE = 0.02
+#: quant.int2 keeps three tensors per record (codes, minimum, step) whose payload is an
+#: eighth of a float32 tensor's bytes, so the tensors' own metadata (about 360 bytes each,
+#: outside every byte count) is 2.2 to 2.5% of it on these models at SCALE; at 4 x SCALE the
+#: same figures are within 1.3% (test_int2_within_2_percent_on_larger_models, marked slow).
+INT2 = 0.03
+STRATEGIES = ["none", "quant.int8", "quant.int2", "quant.mesa", "dropit.mink", "memsave"]
+MODELS = ["gpt-sdpa", "gpt-manual", "cnn", "hf-gpt2"]
+
+
+@functools.cache
+def _cases(scale: int) -> dict[str, heap.Case]:
+    return heap.cases(scale)
+
+
+@functools.cache
+def reading(name: str, strategy: str | None, scale: int = SCALE) -> heap.Reading:
+    cases = _cases(scale)
+    if name not in cases:
+        pytest.skip(f"{name} needs transformers (the hf extra)")
+    if strategy is not None and strategy not in ts.REGISTRY.names():
+        pytest.skip(f"{strategy} is not installed")
+    return heap.read(cases[name], strategy)
+
+
+def check(name: str, strategy: str, tolerance: float, scale: int = SCALE) -> None:
+    stock = reading(name, None, scale)
+    got = reading(name, strategy, scale)
+    assert got.raw_bytes == pytest.approx(stock.tensor_bytes, rel=TOLERANCE), "raw vs stock"
+    assert got.stored_bytes == pytest.approx(got.tensor_bytes, rel=tolerance), "stored"
+    library = got.stored_bytes / got.raw_bytes
+    gauge = got.tensor_bytes / stock.tensor_bytes
+    assert library == pytest.approx(gauge, rel=tolerance), "ratio"
+
+
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "memsave"])
+@pytest.mark.parametrize("name", MODELS)
+def test_tally_agrees_with_the_heap(name: str, strategy: str) -> None:
+    check(name, strategy, INT2 if strategy == "quant.int2" else TOLERANCE)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_memsave_stored_bytes_agree_with_the_heap(name: str) -> None:
+    """memsave rewrites layers whose Functions save less than stock's ops (bits for a ReLU's
+    output or a dropout's mask, a few bits for a max-pool's int64 indices): the engine sees
+    only those, so under memsave raw_bytes counts what the rewritten layers save, not stock's
+    (on the CNN 9% below it, on GPT-2 6%), and its ratio is taken against a stock run (as
+    memsave's evaluate does). What it stores is what the heap holds."""
+    got = reading(name, "memsave")
+    stock = reading(name, None)
+    assert got.stored_bytes == pytest.approx(got.tensor_bytes, rel=TOLERANCE)
+    assert got.raw_bytes <= stock.tensor_bytes * (1 + TOLERANCE)
+
+
+def test_offload_declines_on_cpu_and_counts_as_stock() -> None:
+    """offload.cpu is an identity on a CPU tensor (already in host memory): nothing moves."""
+    got = reading("gpt-sdpa", "offload.cpu")
+    assert got.host_bytes == 0
+    assert got.stored_bytes == got.raw_bytes
+    assert got.stored_bytes == pytest.approx(got.tensor_bytes, rel=TOLERANCE)
+
+
+@pytest.mark.parametrize("strategy", ["dropit.mink", "quant.int8"])
+def test_bf16_linear_chain(strategy: str) -> None:
+    """A bfloat16 chain of projections, dropit.mink at gamma 0.9: the kept values and their
+    bitmap are what the heap holds (the stored share is 0.568 here)."""
+    check("linear-bf16", strategy, TOLERANCE)
+    if strategy == "dropit.mink":
+        got = reading("linear-bf16", strategy)
+        assert got.stored_bytes / got.raw_bytes == pytest.approx(0.568, abs=0.005)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_int2_within_2_percent_on_larger_models(name: str) -> None:
+    check(name, "quant.int2", TOLERANCE, scale=4 * SCALE)
