@@ -33,7 +33,7 @@ from .derive import (
 from .errors import CompressionError, KernelUnavailable
 from .optrack import STATE as OP_STATE
 from .optrack import OpTracker, on_result, role_of, watching
-from .packed import Packed, raw_nbytes, storage_base
+from .packed import Packed, StorageLedger, raw_nbytes, storage_base
 from .site import Site
 
 Resolver = Callable[[Site, frozenset[str]], "Compressor | None"]
@@ -87,8 +87,8 @@ class Row:
     module_type: str
     saved: int = 0  # tensors autograd saved here (dedupe hits included)
     shared: int = 0  # of which were already stored (same tensor saved by another op)
-    raw_bytes: int = 0  # bytes as stock PyTorch would hold them (each tensor once)
-    stored_bytes: int = 0  # bytes actually held (payloads)
+    raw_bytes: int = 0  # bytes as stock PyTorch would hold them (each storage once)
+    stored_bytes: int = 0  # bytes actually held (the storages of what is kept, each once)
     host_bytes: int = 0  # of stored_bytes, held in host memory for an accelerator tensor
     compressed: int = 0  # tensors a compressor packed
     derived: int = 0  # tensors kept as a recompute from another op's stored input (no bytes)
@@ -118,6 +118,9 @@ class Tally:
         self.rows: dict[str, Row] = {}
         self.param_refs = 0
         self._lock = threading.Lock()
+        #: the storages counted in raw_bytes and in stored_bytes, each once while held
+        self.raw_storages = StorageLedger()
+        self.stored_storages = StorageLedger()
 
     def row(self, site: Site) -> Row:
         r = self.rows.get(site.module)
@@ -434,9 +437,6 @@ class Engine:
         compressor, reason = self._choose(t, site, nbytes)
         variant = _variant(compressor, t, site)
         key = None
-        #: another entry holds this tensor in another way (a ReLU's sign bits, and the
-        #: values the next conv saves): stock holds the tensor once, so raw counts it once
-        repeat = False
         if self.dedupe and t.numel() > 0:
             key = _dedupe_key(t)
             ref = self._live.get(key)
@@ -461,14 +461,13 @@ class Engine:
                 self._note_derive_save(t, hit, compressor, site)
                 shape = tuple(t.shape)  # the stored value (tensor or Packed) has its shape
                 return _Saved(hit, None if shape == tuple(hit.value.shape) else shape)
-            repeat = hit is not None and hit.source() is not None
-        raw = 0 if repeat else nbytes
         entry = None
         if key is not None and compressor is not None and self._recipes:
-            entry = self._recomputed(t, key, compressor, site, row, raw)
+            entry = self._recomputed(t, key, compressor, site, row)
         if entry is None:
-            entry = self._store(t, site, row, nbytes, compressor, reason, raw=raw)
+            entry = self._store(t, site, row, compressor, reason)
             self._note_derive_save(t, entry, compressor, site)
+        self._count(t, entry, row)
         entry.variant = variant
         graph = self._tls.graph
         if graph is not None:
@@ -591,7 +590,6 @@ class Engine:
         compressor: Compressor,
         site: Site,
         row: Row,
-        nbytes: int,
     ) -> _Entry | None:
         """An entry recomputing ``t`` from the stored input of the op that made it, when that
         op offered a recipe and its input is stored by the same compressor (or as is)."""
@@ -611,7 +609,6 @@ class Engine:
             ):
                 return None
             sources.append((source, shape))
-        row.raw_bytes += nbytes
         row.derived += 1
         told = getattr(compressor, "derived", None)
         if told is not None:
@@ -644,6 +641,18 @@ class Engine:
         dtype = t.dtype
         return ref, rec.then(lambda y: y.to(dtype)), sources
 
+    def _count(self, t: torch.Tensor, entry: _Entry, row: Row) -> None:
+        """Count a new entry: ``t``'s storage in stock's bytes, whole and once (a view or
+        alias of a storage a live entry counted adds nothing: stock holds it once), and in the
+        stored bytes each storage its value holds (a payload's at its full size)."""
+        tally = self.tally
+        row.raw_bytes += tally.raw_storages.count(t, entry)
+        value = entry.value
+        if isinstance(value, torch.Tensor | Packed):
+            row.stored_bytes += tally.stored_storages.count(value, entry)
+        if isinstance(value, Packed) and t.device.type != "cpu":
+            row.host_bytes += value.nbytes("cpu")
+
     def _store_as_is(self, entry: _Entry, t: torch.Tensor) -> None:
         """Turn a compressed entry into the tensor itself, which a later op saves as is.
 
@@ -654,7 +663,7 @@ class Engine:
         packed = entry.value
         if isinstance(packed, _Recomputed):  # it held no bytes: now the tensor's
             row = self.tally.row(entry.site)
-            row.stored_bytes += raw_nbytes(t)
+            row.stored_bytes += self.tally.stored_storages.count(t, entry)
             row.derived -= 1
             value = t.detach()
             entry.value = value if value.shape == packed.shape else value.view(packed.shape)
@@ -664,11 +673,9 @@ class Engine:
         if not isinstance(packed, Packed):
             return
         row = self.tally.row(entry.site)
-        row.stored_bytes += raw_nbytes(t) - packed.nbytes()
+        row.stored_bytes += self.tally.stored_storages.count(t, entry) - packed.nbytes()
         if t.device.type != "cpu":
-            row.host_bytes -= sum(
-                raw_nbytes(p) for p in packed.payload_tensors() if p.device.type == "cpu"
-            )
+            row.host_bytes -= packed.nbytes("cpu")
         row.compressed -= 1
         value = t.detach()
         entry.value = value if value.shape == packed.shape else value.view(packed.shape)
@@ -706,14 +713,10 @@ class Engine:
         t: torch.Tensor,
         site: Site,
         row: Row,
-        nbytes: int,
         compressor: Compressor | None,
         reason: str,
-        raw: int | None = None,
     ) -> _Entry:
-        """Store ``t``; ``raw`` is what it adds to stock's bytes (``nbytes``, or 0 when
-        another entry already holds the same tensor in another way)."""
-        row.raw_bytes += nbytes if raw is None else raw
+        """Store ``t`` (its bytes are counted by :meth:`_count`)."""
         value: torch.Tensor | Packed = t.detach()
         if compressor is not None:
             try:
@@ -738,15 +741,6 @@ class Engine:
                 compressor = None
         if reason:
             row.declined[reason] += 1
-        if isinstance(value, Packed):
-            stored = value.nbytes()
-            if t.device.type != "cpu":
-                row.host_bytes += sum(
-                    raw_nbytes(p) for p in value.payload_tensors() if p.device.type == "cpu"
-                )
-        else:
-            stored = nbytes
-        row.stored_bytes += stored
         return _Entry(
             value,
             compressor,
