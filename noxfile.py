@@ -21,7 +21,7 @@ TORCH = os.environ.get("TORCHSTASH_TORCH", "torch==2.13.0")
 # torchvision pins torch exactly: the release built for TORCH, so pip keeps the wheel it has.
 TORCHVISION = os.environ.get("TORCHSTASH_TORCHVISION", "torchvision==0.28.0")
 PLUGINS = ["quant", "dropit", "memsave"]
-TEST_DEPS = ["pytest>=8", "numpy"]
+TEST_DEPS = ["pytest>=8", "numpy", "hypothesis>=6"]
 SRC_DIRS = ["packages/core/src", *(f"packages/{p}/src" for p in PLUGINS)]
 
 
