@@ -59,32 +59,20 @@ from .rows import aligned_group_size, channel_major_run, normalized_run
 EXACT_KINDS = frozenset({"bool", "pool", "sign", "dropmask"})
 NORM_OPS = frozenset({"layer_norm", "group_norm", "rms_norm", "batch_norm"})
 #: Ops whose saved tensors are attention's when no operand is a Parameter (see attn_bits).
-ATTENTION_OPS = frozenset({"matmul", "softmax", "scaled_dot_product_attention"})
+ATTENTION_OPS = frozenset({"matmul", "softmax"})
 SDPA = "scaled_dot_product_attention"
-#: The narrowest code for a fused attention's q and k (see OpAware._qk_bits): at 4 bits a
-#: 4-block SDPA GPT (d=256) trained under quant.int2 had its gradient norm at 10^4-10^5 by
-#: step 75 and ended 65% above stock's loss (quant.int4: NaN at step 277); at 8 bits it
-#: trains like the written-out attention.
-MIN_QK_BITS = 8
-
-
-def sdpa_statistic(x: torch.Tensor, site: Site) -> bool:
-    """A fused attention's saved row statistic (its log-sum-exp, ``(B, H, T)``), anything it
-    saves that is not shaped like one of its operands or its output: backward recomputes the
-    attention map as ``exp(q @ k.T * scale - lse)``, so an error there is exponentiated
-    (coded at 1 bit it grew the gradients 10^4-fold per block). Small, so kept exact."""
-    if site.op != SDPA or site.role != "output" or not STATE.args:
-        return False
-    q = STATE.args[0]
-    return not isinstance(q, torch.Tensor) or x.dim() != q.dim() or x.shape[:-1] != q.shape[:-1]
+#: Why a fused attention's saves are kept exact by every quant strategy.
+SDPA_REASON = (
+    f"{SDPA}'s saved tensors are kept exact: its backward recomputes the attention map from q, "
+    "k and the saved log-sum-exp and the row sums from the saved output, so coded copies "
+    "disagree with one another and training diverges (written-out attention keeps the map "
+    "itself, which is coded)"
+)
 
 
 def is_attention(x: torch.Tensor, site: Site) -> bool:
     """A softmax's output, or an operand of a matmul of two activations (``q @ k.T``,
-    ``attn @ v``); a matmul with a Parameter is a linear layer in disguise; a fused
-    attention's q, k, v and output."""
-    if site.op == SDPA:
-        return not sdpa_statistic(x, site)
+    ``attn @ v``); a matmul with a Parameter is a linear layer in disguise."""
     if site.op == "softmax":
         return site.role == "output"
     if site.op != "matmul":
@@ -165,21 +153,9 @@ class OpAware(BaseCompressor):
             return "deriv"
         if site.op in NORM_OPS and site.role == "input" and x.is_floating_point():
             return "norm"
-        if site.op == SDPA and site.role in ("input", "arg1") and self._aligns:
-            return "qk"
         if self.attn_bits is not None and self._aligns and is_attention(x, site):
             return "attn"
         return ""
-
-    def _qk_bits(self) -> int:
-        """Width of a fused attention's q and k: at least :data:`MIN_QK_BITS`. Its backward
-        recomputes the map as ``exp(q @ k.T * scale - lse)`` with the exact ``lse``, so
-        their error is exponentiated and grows with the logits as training sharpens the
-        attention (at 1 bit the gradients grew 10^4-fold per block at step 0; at 4 bits
-        training diverged within 75 steps), where manual attention keeps the map itself,
-        bounded in [0, 1]. ``quant.auto``'s allocation is overridden there too."""
-        bits = self.attn_bits or getattr(self.values, "bits", None)
-        return max(bits, MIN_QK_BITS) if isinstance(bits, int) else MIN_QK_BITS
 
     def _stand_in_bits(self, site: Site) -> int | None:
         """``norm_bits`` for a LayerNorm's input, with ``derive``: it then stands in for the
@@ -214,8 +190,8 @@ class OpAware(BaseCompressor):
                 return reasons
         if site.op in NORM_OPS and site.role == "output":
             return [f"{site.op}'s saved statistics (mean, rstd) are small and kept exact"]
-        if sdpa_statistic(x, site):
-            return [f"{SDPA}'s log-sum-exp is small and kept exact (backward exponentiates it)"]
+        if site.op == SDPA:
+            return [SDPA_REASON]
         if kind == "norm" and self._centered_layout(x, site) is None:
             return [
                 f"{site.op}'s input has rows of fewer than {MIN_CENTERED_ROW} elements per "
@@ -226,7 +202,7 @@ class OpAware(BaseCompressor):
             if self._aligned(run) is None and self.norms is not None:
                 return self.norms.unsupported(x, site)
             return self.values.unsupported(x, site)
-        if kind and kind not in ("attn", "act", "qk"):
+        if kind and kind not in ("attn", "act"):
             return []
         return self.values.unsupported(x, site)
 
@@ -258,8 +234,6 @@ class OpAware(BaseCompressor):
                 return x
             return self._compress_centered(x, site, run)
         rows = self._row_group_size(x)
-        if kind == "qk":
-            return self.values.compress(x, site, bits=self._qk_bits(), group_size=rows)  # type: ignore[call-arg]
         if kind in ("attn", "act"):
             bits = self.attn_bits if kind == "attn" else self.act_bits
             return self.values.compress(x, site, bits=bits, group_size=rows)  # type: ignore[call-arg]
