@@ -361,7 +361,14 @@ def test_fused_attention_is_no_worse_than_manual_attention(strategy: str) -> Non
     assert fused[2] < 1.5, fused  # no blow-up going backward
 
 
-@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s.startswith("quant")])
+#: quant strategies that code what SDPA saves were it not for its rule (L0 codes nothing, L1
+#: only Linear and conv inputs)
+CODES_ATTENTION = [
+    s for s in STRATEGIES if s.startswith("quant") and s not in ("quant.L0", "quant.L1")
+]
+
+
+@pytest.mark.parametrize("strategy", CODES_ATTENTION)
 def test_fused_attention_saves_are_kept_exact_and_say_why(strategy: str) -> None:
     model = _attention_gpt(True)
     handle = ts.apply(model, strategy)
