@@ -28,12 +28,10 @@ its saved op outputs in its own cache rather than through autograd, so that cach
 For save_on_cpu the count is what its hook keeps and where (bytes on the host are not device
 bytes). A torchstash strategy installs hooks of its own inside the model: its rows take the
 tally's stored bytes (exact; what it offloaded to the host apart) plus anything the outer hook
-still saw. The tally counts a saved view at its own size where the hook counts the storage it
-keeps alive, so on stock the two differ by the views: the token batch (a view of a longer
-tensor) and the ViT's class token (a view of the last block's output), 0.5 MB of 37 MB on the
-small ViT. Each row's share of stock's is therefore taken against stock counted its way: the
-hook's count for the alternatives, the tally of the ``none`` strategy (in the same stock run)
-for torchstash's rows.
+still saw. The hook and torchstash's tally both count storages (a saved view counts the
+storage it keeps alive), so on stock they agree exactly. Each row's share of stock's is
+taken against stock counted its way all the same: the hook's count for the alternatives, the
+tally of the ``none`` strategy (in the same stock run) for torchstash's rows.
 
 On CUDA, "peak MB" is the counted step's peak allocation (``torch.cuda.max_memory_allocated``)
 above what was allocated before it: the step's activations, gradients and temporaries, not the
