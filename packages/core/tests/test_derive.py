@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,14 +129,17 @@ def test_output_excluded_by_policy_stays_exact() -> None:
     torch.testing.assert_close(got[-2], want, rtol=1e-5, atol=1e-5)
 
 
-def test_output_changed_in_place_is_not_recomputed() -> None:
+@pytest.mark.parametrize(("change", "carried"), [("exp_", False), ("mul_", True)])
+def test_output_changed_in_place(change: str, carried: bool) -> None:
     """An in-place op between the activation and the next save changes the values: the
-    version moved, no recipe matches, and gradients stay stock's."""
+    version moved, so the old recipe no longer matches. An elementwise op the engine can
+    replay (``mul_(2.0)``) carries it one step on; any other leaves the save stored. Either
+    way gradients stay stock's."""
 
     class Scaled(Mlp):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = F.gelu(self.fc1(self.norm(x)))
-            h.mul_(2.0)
+            getattr(h, change)(*([2.0] if change == "mul_" else []))
             return self.fc2(h)
 
     torch.manual_seed(0)
@@ -142,7 +147,7 @@ def test_output_changed_in_place_is_not_recomputed() -> None:
     ref = _grads(model, x)
     with ts.apply(model, "test.derive", min_bytes=0) as h:
         got = _grads(model, x)
-        assert h.tally.rows["fc2"].derived == 0
+        assert h.tally.rows["fc2"].derived == int(carried)
     for a, b in zip(ref, got):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -261,7 +266,7 @@ def test_attention_output_changed_in_place_is_not_recomputed() -> None:
             b, n, c = x.shape
             q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
             y = (q @ k.transpose(-2, -1)).softmax(-1) @ v
-            y.mul_(2.0)  # after the matmul: the recipe no longer holds
+            y.sin_()  # after the matmul: the recipe no longer holds
             return self.proj(y.transpose(1, 2).reshape(b, n, c))
 
     torch.manual_seed(0)
@@ -357,3 +362,118 @@ def test_autocast_cast_of_a_recomputable_output_is_recomputed() -> None:
     assert rows["fc1"][0] == 1 and rows["fc1"][2] == 0
     for a, b in zip(ref, got):
         torch.testing.assert_close(a, b, rtol=0.02, atol=1e-3)
+
+
+class WrittenAttention(nn.Module):
+    """Attention written out as published models write it, for the map's recipe: ``style``
+    picks nanoGPT's (scale, boolean ``masked_fill``, dropout), Llama's eager path (additive
+    float mask made per forward, softmax in float32 cast back), GPT-2's eager path (division
+    by a 0-d tensor, ``torch.where`` with a 0-d fill, dropout that drops) or an in-place
+    additive mask."""
+
+    def __init__(self, style: str, dim: int = 32, heads: int = 2, ctx: int = 8) -> None:
+        super().__init__()
+        self.style, self.heads = style, heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.drop = nn.Dropout(0.25 if style == "gpt2" else 0.0)
+        causal = torch.ones(ctx, ctx, dtype=torch.bool).tril()
+        self.register_buffer("causal", causal.view(1, 1, ctx, ctx), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (t.view(b, n, self.heads, c // self.heads).transpose(1, 2) for t in (q, k, v))
+        d = c // self.heads
+        if self.style == "nanogpt":
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
+            att = att.masked_fill(self.causal[:, :, :n, :n] == 0, float("-inf"))
+            att = self.drop(F.softmax(att, dim=-1))
+        elif self.style == "llama":
+            mask = torch.zeros(b, 1, n, n).masked_fill(~self.causal[:, :, :n, :n], -1e9)
+            att = torch.matmul(q, k.transpose(2, 3)) * d**-0.5 + mask
+            att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
+            att = F.dropout(att, p=0.0, training=self.training)
+        elif self.style == "gpt2":
+            att = torch.matmul(q, k.transpose(-1, -2)) / torch.full([], d**0.5)
+            fill = torch.full([], torch.finfo(att.dtype).min)
+            att = torch.where(self.causal[:, :, :n, :n], att, fill)
+            att = self.drop(F.softmax(att, dim=-1))
+        else:  # "inplace"
+            att = q @ k.transpose(-2, -1)
+            att *= d**-0.5
+            att += torch.zeros(n, n).masked_fill(~self.causal[0, 0, :n, :n], float("-inf"))
+            att = att.softmax(-1)
+        y = att @ v
+        return self.proj(y.transpose(1, 2).reshape(b, n, c))
+
+
+STYLES = ["nanogpt", "llama", "gpt2", "inplace"]
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_attention_map_recomputed_from_q_and_k(style: str) -> None:
+    """The map is recomputed from the stored ``q`` and ``k`` through the scale, the mask,
+    the softmax and the casts after them: no bytes of its own, gradients stock's to the bit
+    (dropout's own mask is the one thing not replayed: what it keeps is stored)."""
+    torch.manual_seed(0)
+    model, x = WrittenAttention(style), torch.randn(2, 8, 32)
+    torch.manual_seed(1)
+    ref = _grads(model, x)
+    with ts.apply(model, "test.derive", min_bytes=0) as h:
+        torch.manual_seed(1)
+        got = _grads(model, x)
+        row = h.tally.rows[""]
+    assert row.derived == 1
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+
+
+def test_attention_map_stored_without_its_recipe_is_dearer() -> None:
+    """The same attention, its map stored by a policy that leaves ``q @ k.T``'s operands as
+    they are: then the map is a stored tensor, the bytes the recipe saves."""
+    torch.manual_seed(0)
+    model, x = WrittenAttention("nanogpt"), torch.randn(2, 8, 32)
+    with ts.apply(model, "test.derive", min_bytes=0) as h:
+        _grads(model, x)
+        recomputed = h.tally.rows[""].stored_bytes
+    policy = [{"strategy": "test.derive"}, {"op": "matmul", "op_index": 0, "strategy": "none"}]
+    with ts.apply(model, policy=policy, min_bytes=0) as h:
+        _grads(model, x)
+        stored = h.tally.rows[""]
+    assert stored.derived == 0
+    assert stored.stored_bytes >= recomputed + 2 * 2 * 8 * 8 * 4  # the (2, 2, 8, 8) map
+
+
+def test_mask_held_by_a_recipe_is_counted_once_and_checked() -> None:
+    """A mask made for the forward (one for every layer, as Hugging Face models make it) is
+    held by the maps' recipes: counted in stored bytes once, and an in-place change to it
+    before backward is an error that says what happened, never a different map."""
+
+    class Masked(WrittenAttention):
+        def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+            b, n, c = x.shape
+            q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+            att = (q @ k.transpose(-2, -1) + mask).softmax(-1)
+            return self.proj((att @ v).transpose(1, 2).reshape(b, n, c))
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Masked("llama") for _ in range(2))
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.layers[1](self.layers[0](x, mask), mask)
+
+    torch.manual_seed(0)
+    model, x = Two(), torch.randn(2, 8, 32)
+    mask = torch.zeros(2, 1, 8, 8).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), -1e9)
+    with ts.apply(model, "test.derive", min_bytes=0) as h:
+        loss = model(x, mask).square().sum()
+        rows = h.tally.rows
+        assert rows["layers.0"].derived == rows["layers.1"].derived == 1
+        # the first layer's recipe counted the mask; the second one's holds the same one
+        assert rows["layers.0"].stored_bytes - rows["layers.1"].stored_bytes == mask.nbytes
+        mask.fill_(0.0)  # changed in place before backward
+        with pytest.raises(RuntimeError, match="modified by an inplace operation after the forward"):
+            loss.backward()

@@ -57,9 +57,46 @@ LAYOUT_OPS = frozenset(
         "clone",
     }
 )
-#: Elementwise functions of their first argument alone, in-place forms included: replayed, they
-#: carry a recipe too (a BatchNorm's output through the in-place ReLU after it).
-POINTWISE_OPS = frozenset({"relu", "relu_"})
+#: Elementwise functions replayed on a recomputed argument, the others held as they were
+#: (numbers, masks, scales: see :func:`replay_step`): a BatchNorm's output through the
+#: (in-place) ReLU after it; ``q @ k.T`` through the scale, the mask and the softmax to the
+#: attention map, and through the casts around them.
+POINTWISE_OPS = frozenset(
+    {
+        "relu",
+        "relu_",
+        "mul",
+        "mul_",
+        "__mul__",
+        "__rmul__",
+        "__imul__",
+        "div",
+        "div_",
+        "true_divide",
+        "__truediv__",
+        "__itruediv__",
+        "add",
+        "add_",
+        "__add__",
+        "__radd__",
+        "__iadd__",
+        "sub",
+        "sub_",
+        "__sub__",
+        "__isub__",
+        "masked_fill",
+        "masked_fill_",
+        "where",
+        "softmax",
+        "to",
+        "type",
+        "float",
+        "half",
+        "bfloat16",
+    }
+)
+#: Every function a recipe is carried through (see :meth:`~torchstash.engine.Engine.pack`).
+CARRY_OPS = LAYOUT_OPS | POINTWISE_OPS
 
 
 def _argument(args: Sequence[Any], kwargs: dict[str, Any], name: str, pos: int) -> Any:
@@ -103,16 +140,80 @@ class Recipe:
         """This recipe followed by a layout step (the statistics are shared, not copied)."""
         return replace(self, steps=(*self.steps, step))
 
+    def held(self) -> list[torch.Tensor]:
+        """The tensors its steps keep alive besides the operands (a mask, a scale)."""
+        return [t for step in self.steps if isinstance(step, Replay) for t in step.constants]
 
-def layout_step(
-    func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
-) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """``func`` replayed on a recomputed first argument, or None when any other argument is a
-    tensor (its values would have to be kept)."""
-    rest = tuple(args[1:])
-    if any(isinstance(a, torch.Tensor) for a in (*rest, *kwargs.values())):
+
+class Replay:
+    """One call replayed on a recomputed tensor in place of its argument ``index``, with the
+    call's other arguments as they were: numbers, and tensors held (detached) with their
+    version, so an in-place change to a mask after the forward is an error, not a different
+    attention map. In-place functions are replayed out of place: the recomputed tensor may be
+    another entry's restored value."""
+
+    __slots__ = ("args", "constants", "func", "held", "index", "kwargs")
+
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        index: int,
+    ) -> None:
+        self.func = _out_of_place(func)
+        self.index = index
+        if func is F.relu:
+            args = args[:1]  # F.relu(x, True): its ``inplace`` flag
+        others = [(i, a) for i, a in enumerate(args) if i != index and isinstance(a, torch.Tensor)]
+        #: held alive by the recipe only (masks, scales), not Parameters the model holds
+        self.constants = [a.detach() for _, a in others if not a.requires_grad]
+        self.args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+        self.kwargs = {k: v for k, v in kwargs.items() if k != "inplace"}
+        self.held = [(self.args[i], self.args[i]._version) for i, _ in others]
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        for held, version in self.held:
+            if held._version != version:
+                raise RuntimeError(
+                    f"torchstash recomputes a saved tensor in backward by replaying "
+                    f"{getattr(self.func, '__name__', self.func)!r} with a "
+                    f"{tuple(held.shape)} {held.dtype} tensor that was modified by an inplace "
+                    f"operation after the forward (version {held._version}, expected "
+                    f"{version}). Leave that tensor unchanged until backward, or clone it "
+                    "before the forward uses it."
+                )
+        args = list(self.args)
+        args[self.index] = t
+        return self.func(*args, **self.kwargs)
+
+
+def _out_of_place(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``relu_`` -> ``relu``, ``Tensor.__iadd__`` -> ``Tensor.__add__``; else ``func``."""
+    name = getattr(func, "__name__", "")
+    if name.startswith("__i") and name.endswith("__"):
+        return getattr(torch.Tensor, f"__{name[3:]}", func)
+    if name.endswith("_") and not name.endswith("__"):
+        for owner in (torch.Tensor, torch):
+            if getattr(owner, name, None) is func:
+                return getattr(owner, name[:-1], func)
+    return func
+
+
+def replay_step(
+    func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], index: int = 0
+) -> Replay | None:
+    """``func`` replayed with a recomputed tensor as argument ``index``, or None when another
+    argument's values cannot be held as they were: a tensor in the keywords, or one that is
+    itself computed with a gradient (an activation, which the recipe would keep alive whole).
+    Numbers, tensors without a gradient (masks, a 0-d scale) and leaf tensors (Parameters)
+    are held."""
+    if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
         return None
-    return lambda t: func(t, *rest, **kwargs)
+    for i, a in enumerate(args):
+        if i != index and isinstance(a, torch.Tensor) and a.requires_grad and not a.is_leaf:
+            return None
+    return Replay(func, args, kwargs, index)
 
 
 def matmul_order(

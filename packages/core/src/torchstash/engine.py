@@ -21,13 +21,12 @@ import torch
 
 from .compressor import Compressor
 from .derive import (
+    CARRY_OPS,
     DERIVE_OPS,
-    LAYOUT_OPS,
-    POINTWISE_OPS,
     Recipe,
-    layout_step,
     matmul_order,
     recipe,
+    replay_step,
     save_kind,
 )
 from .errors import CompressionError, KernelUnavailable
@@ -174,8 +173,10 @@ class _Entry:
 
     __slots__ = (
         "__weakref__",
+        "cache",
         "compressor",
         "graph",
+        "pending",
         "site",
         "source",
         "value",
@@ -208,6 +209,11 @@ class _Entry:
         #: so an in-place change after the save is seen in backward as stock PyTorch sees it,
         #: without holding the memory a code replaced
         self.watch = _version_alias(watched) if watched is not None else None
+        #: restores still to come (saves and recipes that read it): a recomputed value is
+        #: kept from its first restore until the last (an attention map is read by the
+        #: softmax's backward, the matmul's and the recomputed projection input's)
+        self.pending = 0
+        self.cache: torch.Tensor | None = None
 
     def modified(self) -> int | None:
         """The saved tensor's version now, when an in-place op changed it since the save."""
@@ -249,6 +255,7 @@ class _Graph:
                 nbytes += raw_nbytes(value)
             count += 1
             entry.value = _RELEASED
+            entry.cache = None
             entry.source = lambda: None  # never shared again
         self.entries.clear()
         return count, nbytes
@@ -335,7 +342,7 @@ class Engine:
             tls.graph = _Graph()
             self._skip = self._skip_ptrs() if self._skip_ptrs else set()
         if tls.active == 0 and self.dedupe:
-            stack.enter_context(watching(LAYOUT_OPS | POINTWISE_OPS, self._carry_recipe))
+            stack.enter_context(watching(CARRY_OPS, self._carry_recipe))
         tls.active += 1
         stack.callback(self._deactivate)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
@@ -460,6 +467,7 @@ class Engine:
                     hit.graph = None  # two passes hold it: a failed backward must not drop it
                 self._note_derive_save(t, hit, compressor, site)
                 shape = tuple(t.shape)  # the stored value (tensor or Packed) has its shape
+                hit.pending += 1
                 return _Saved(hit, None if shape == tuple(hit.value.shape) else shape)
         entry = None
         if key is not None and compressor is not None and self._recipes:
@@ -475,6 +483,7 @@ class Engine:
             graph.entries.append(weakref.ref(entry))
         if key is not None:
             self._remember(key, entry)
+        entry.pending += 1
         return _Saved(entry)
 
     # -- outputs recomputed from a stored input (see .derive) ---------------------------------
@@ -556,32 +565,42 @@ class Engine:
     def _carry_recipe(
         self, func: Callable[..., Any], args: Any, kwargs: dict[str, Any], result: Any
     ) -> None:
-        """A layout or elementwise op (:data:`LAYOUT_OPS`, :data:`POINTWISE_OPS`) on a
-        recomputable tensor: its result is recomputable too, by the same recipe one step longer
-        (``attn @ v``, transposed and copied into the projection's input; a BatchNorm's output
-        through an in-place ReLU)."""
+        """A layout or elementwise op (:data:`~.derive.CARRY_OPS`) on a recomputable tensor:
+        its result is recomputable too, by the same recipe one step longer (``attn @ v``,
+        transposed and copied into the projection's input; a BatchNorm's output through an
+        in-place ReLU; ``q @ k.T`` scaled and masked)."""
         if not self._recipes or not args or not isinstance(result, torch.Tensor):
             return
-        x = args[0]
-        if not isinstance(x, torch.Tensor) or x.numel() == 0 or result.numel() != x.numel():
-            return
-        before = _dedupe_key(x)
-        if result is x:  # in place (a ReLU's): x as it was is one version back
-            before = (*before[:-1], before[-1] - 1)
-        found = self._recipes.get(before)
-        if found is None or found[0]() is None:
-            return
-        key = _dedupe_key(result)
-        same = self._recipes.get(key)
-        if same is not None:
+        carried = self._carried(func, args, kwargs, result)
+        if carried is not None:
+            self._add_recipe(result, *carried)
+
+    def _carried(
+        self, func: Callable[..., Any], args: Any, kwargs: dict[str, Any], result: torch.Tensor
+    ) -> tuple[Recipe, _Sources] | None:
+        """The recipe of ``result``, one step longer than that of the argument it was computed
+        from (the one tensor argument of its size with a recipe), or None."""
+        if result.numel() == 0:
+            return None
+        for index, x in enumerate(args):
+            if not isinstance(x, torch.Tensor) or x.numel() != result.numel():
+                continue
+            before = _dedupe_key(x)
+            if result is x:  # in place (a ReLU's): x as it was is one version back
+                before = (*before[:-1], before[-1] - 1)
+            found = self._recipes.get(before)
+            if found is not None and found[0]() is not None:
+                break
+        else:
+            return None
+        same = self._recipes.get(_dedupe_key(result))
+        if same is not None and same[0]() is not None:
             # A view of the same values in the same layout (a fused attention's output,
             # transposed back to contiguous, then reshaped): already recomputable. Held by
             # this newer view now, so the recipe outlives the temporary one before it.
-            self._add_recipe(result, same[1], same[2])
-            return
-        step = layout_step(func, args, kwargs)
-        if step is not None:
-            self._add_recipe(result, found[1].then(step), found[2])
+            return same[1], same[2]
+        step = replay_step(func, args, kwargs, index)
+        return None if step is None else (found[1].then(step), found[2])
 
     def _recomputed(
         self,
@@ -594,11 +613,13 @@ class Engine:
         """An entry recomputing ``t`` from the stored input of the op that made it, when that
         op offered a recipe and its input is stored by the same compressor (or as is)."""
         found = self._recipes.get(key) or self._autocast_copy(t, site)
-        if found is None:
-            return None
-        ref, rec, source_refs = found
-        if ref() is None:
-            return None
+        if found is None or found[0]() is None:
+            carried = self._carried_in_call(t, site)
+            if carried is None:
+                return None
+            rec, source_refs = carried
+        else:
+            rec, source_refs = found[1], found[2]
         sources = []
         for source_ref, shape in source_refs:
             source = source_ref()
@@ -609,6 +630,8 @@ class Engine:
             ):
                 return None
             sources.append((source, shape))
+        for source, _ in sources:
+            source.pending += 1
         row.derived += 1
         told = getattr(compressor, "derived", None)
         if told is not None:
@@ -616,6 +639,15 @@ class Engine:
         return _Entry(
             _Recomputed(sources, rec, t.shape), compressor, site, t._version, t, watched=t
         )
+
+    def _carried_in_call(self, t: torch.Tensor, site: Site) -> tuple[Recipe, _Sources] | None:
+        """The output a carrying op saves itself (a softmax keeps its result): recomputable
+        when its argument is, by the argument's recipe followed by the op (the result watcher
+        sees the op only once it returned, after this save)."""
+        func = OP_STATE.func
+        if site.role != "output" or func is None or OP_STATE.raw not in CARRY_OPS:
+            return None
+        return self._carried(func, OP_STATE.args, OP_STATE.kwargs, t)
 
     def _autocast_copy(
         self, t: torch.Tensor, site: Site
@@ -650,6 +682,10 @@ class Engine:
         value = entry.value
         if isinstance(value, torch.Tensor | Packed):
             row.stored_bytes += tally.stored_storages.count(value, entry)
+        elif isinstance(value, _Recomputed):  # a mask or scale its recipe holds alive
+            for held in value.recipe.held():
+                if storage_base(held) not in self._skip:
+                    row.stored_bytes += tally.stored_storages.count(held, entry)
         if isinstance(value, Packed) and t.device.type != "cpu":
             row.host_bytes += value.nbytes("cpu")
 
@@ -775,8 +811,20 @@ class Engine:
                 f"{entry.version} instead. Avoid the in-place op or clone before it."
             )
         if isinstance(value, _Recomputed):
-            operands = [self._restore(e).reshape(shape) for e, shape in value.sources]
-            return value.recipe(*operands).reshape(value.shape)
+            out = entry.cache
+            if out is None:
+                operands = [self._restore(e).reshape(shape) for e, shape in value.sources]
+                try:
+                    out = value.recipe(*operands).reshape(value.shape)
+                except RuntimeError as e:
+                    e.add_note(
+                        f"torchstash: raised recomputing the "
+                        f"{_tensor(entry.site, value.shape, None)} from its op's stored inputs"
+                    )
+                    raise
+            entry.pending -= 1
+            entry.cache = out if entry.pending > 0 else None
+            return out
         if isinstance(value, torch.Tensor):
             return value
         compressor = entry.compressor

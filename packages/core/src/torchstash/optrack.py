@@ -149,6 +149,8 @@ class OpState(threading.local):
     def __init__(self) -> None:
         self.op = ""
         self.raw = ""
+        #: the torch function running (None under :func:`as_op`)
+        self.func: Callable[..., Any] | None = None
         self.args: Sequence[Any] = ()
         self.kwargs: dict[str, Any] = {}
         #: a codec the running op asks for its own saves (see :func:`as_op`)
@@ -178,9 +180,9 @@ class OpTracker(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         state = STATE
         kwargs = kwargs or {}
-        prev = (state.op, state.raw, state.args, state.kwargs, state.codec)
+        prev = (state.op, state.raw, state.func, state.args, state.kwargs, state.codec)
         state.op, state.raw = op_names(func)
-        state.args, state.kwargs, state.codec = args, kwargs, None
+        state.func, state.args, state.kwargs, state.codec = func, args, kwargs, None
         state.call_id += 1
         call_id = state.call_id
         inner = opened(func) if func in OPENED_COMPOSITES else None
@@ -191,7 +193,7 @@ class OpTracker(TorchFunctionMode):
             else:
                 result = func(*args, **kwargs)
         finally:
-            state.op, state.raw, state.args, state.kwargs, state.codec = prev
+            state.op, state.raw, state.func, state.args, state.kwargs, state.codec = prev
         if state.waiting:
             _deliver(state, call_id, result)
         if state.watchers:
@@ -254,14 +256,14 @@ def as_op(
     as is by a later op, so the op never holds more than stock.
     """
     state = STATE
-    prev = (state.op, state.raw, state.args, state.kwargs, state.codec)
-    state.op, state.raw = op, func or op
+    prev = (state.op, state.raw, state.func, state.args, state.kwargs, state.codec)
+    state.op, state.raw, state.func = op, func or op, None
     state.args, state.kwargs, state.codec = args, kwargs or {}, codec
     state.call_id += 1
     try:
         yield
     finally:
-        state.op, state.raw, state.args, state.kwargs, state.codec = prev
+        state.op, state.raw, state.func, state.args, state.kwargs, state.codec = prev
 
 
 def engine_active() -> bool:
