@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -475,5 +474,7 @@ def test_mask_held_by_a_recipe_is_counted_once_and_checked() -> None:
         # the first layer's recipe counted the mask; the second one's holds the same one
         assert rows["layers.0"].stored_bytes - rows["layers.1"].stored_bytes == mask.nbytes
         mask.fill_(0.0)  # changed in place before backward
-        with pytest.raises(RuntimeError, match="modified by an inplace operation after the forward"):
+        with pytest.raises(
+            RuntimeError, match="modified by an inplace operation after the forward"
+        ):
             loss.backward()

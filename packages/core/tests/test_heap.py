@@ -58,14 +58,15 @@ def test_stock_and_none_agree_with_the_gauge(name: str) -> None:
 @pytest.mark.parametrize("name", ["gpt-sdpa", "cnn"])
 def test_a_codec_agrees_with_the_gauge(name: str, toy_strategies: list[str]) -> None:
     """test.half keeps a bfloat16 copy of each float tensor: the tally's stored bytes and its
-    ratio to stock are the heap's."""
+    ratio to stock are the heap's. (A fused attention's saves stay exact under it: a codec
+    that cannot have its output recomputed from q, k, v must not code any of them.)"""
     stock = heap.read(CASES[name])
     half = heap.read(CASES[name], "test.half")
     assert half.raw_bytes == pytest.approx(stock.tensor_bytes, rel=TOLERANCE)
     assert half.stored_bytes == pytest.approx(half.tensor_bytes, rel=TOLERANCE)
     library = half.stored_bytes / half.raw_bytes
     assert library == pytest.approx(half.tensor_bytes / stock.tensor_bytes, rel=TOLERANCE)
-    assert library < 0.6
+    assert library < (0.66 if name == "gpt-sdpa" else 0.6)
 
 
 def test_run_isolated_agrees_with_a_reading_here() -> None:

@@ -169,6 +169,7 @@ class Replay:
         #: held alive by the recipe only (masks, scales), not Parameters the model holds
         self.constants = [a.detach() for _, a in others if not a.requires_grad]
         self.args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+        self.args[index] = None  # the recomputed tensor goes here: the original is not held
         self.kwargs = {k: v for k, v in kwargs.items() if k != "inplace"}
         self.held = [(self.args[i], self.args[i]._version) for i, _ in others]
 
@@ -251,14 +252,41 @@ def _product_numel(a: Sequence[int], b: Sequence[int]) -> int:
 def save_kind(op: str, role: str, t: torch.Tensor, args: Sequence[Any]) -> str:
     """What a tensor a :data:`DERIVE_OPS` call saves is to its recipe: ``"source"`` (an
     operand the output is recomputed from), ``"stat"`` (a statistic the recipe needs, saved
-    after its inputs: a LayerNorm's mean and rstd) or ``""`` (not needed)."""
+    after its inputs: a LayerNorm's mean and rstd), ``"output"`` (a fused attention's output
+    or log-sum-exp, recomputed from its ``q``, ``k``, ``v``) or ``""`` (not needed)."""
     if op == "matmul":
         return "source"
-    if op == SDPA:  # its output only: q, k, v and the log-sum-exp are for its own backward
-        q = args[0] if args else None
-        shaped = isinstance(q, torch.Tensor) and t.shape[:-1] == q.shape[:-1]
-        return "source" if role == "output" and shaped else ""
+    if op == SDPA:
+        return _fused_attention_kind(role, t, args)
     return "source" if role == "input" else "stat"
+
+
+def _fused_attention_kind(role: str, t: torch.Tensor, args: Sequence[Any]) -> str:
+    """``q``, ``k``, ``v`` (the call's first three arguments, saved as they are) are sources;
+    a saved tensor shaped like the output (``q``'s batch and rows, ``v``'s width) or like its
+    log-sum-exp (``q``'s batch and rows) is an output; the rest (a mask) neither."""
+    if attention_operand(t, args) is not None:
+        return "source"
+    q, v = (args[0], args[2]) if len(args) > 2 else (None, None)
+    if role != "output" or not isinstance(q, torch.Tensor) or not isinstance(v, torch.Tensor):
+        return ""
+    rows = tuple(q.shape[:-1])
+    return "output" if tuple(t.shape) in (rows, (*rows, v.shape[-1])) else ""
+
+
+def attention_operand(t: torch.Tensor, args: Sequence[Any]) -> int | None:
+    """Which of a fused attention's ``q``, ``k``, ``v`` (0, 1, 2) the saved ``t`` is: the
+    argument with its address, shape and strides. (Its role cannot tell: ``q``, ``k`` and
+    ``v`` split from one projection share a storage, and the kernel saves ``k`` first.)"""
+    for i, a in enumerate(args[:3]):
+        if (
+            isinstance(a, torch.Tensor)
+            and a.data_ptr() == t.data_ptr()
+            and a.shape == t.shape
+            and a.stride() == t.stride()
+        ):
+            return i
+    return None
 
 
 def recipe(op: str, args: Sequence[Any], kwargs: dict[str, Any], func: str = "") -> Recipe | None:
@@ -268,7 +296,17 @@ def recipe(op: str, args: Sequence[Any], kwargs: dict[str, Any], func: str = "")
     if op == "matmul":
         return Recipe(op, {}, arity=2) if func in MATMUL_FUNCS else None
     if op == SDPA:
-        return Recipe(op, {})
+        arguments = {
+            name: _argument(args, kwargs, name, pos)
+            for name, pos in (
+                ("attn_mask", 3),
+                ("dropout_p", 4),
+                ("is_causal", 5),
+                ("scale", 6),
+                ("enable_gqa", 7),
+            )
+        }
+        return Recipe(op, arguments, arity=3)
     if op == "gelu":
         approximate = _argument(args, kwargs, "approximate", 1) or "none"
         return Recipe(op, {"approximate": str(approximate)})
@@ -336,8 +374,90 @@ def _saved_output(r: Recipe, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class FusedAttention:
+    """One fused attention call replayed in backward: its output and log-sum-exp from the
+    restored ``q``, ``k``, ``v``, with the call's own arguments (its mask held, with its
+    version checked). Both come from one replay, kept until each was taken."""
+
+    def __init__(self, kernel: Callable[..., tuple[torch.Tensor, ...]], arguments: dict[str, Any]):
+        self.kernel = kernel
+        mask = arguments.get("attn_mask")
+        self.mask = mask.detach() if isinstance(mask, torch.Tensor) else None
+        self.mask_version = self.mask._version if self.mask is not None else 0
+        self.dropout_p = float(arguments.get("dropout_p") or 0.0)
+        self.is_causal = bool(arguments.get("is_causal"))
+        self.scale = arguments.get("scale")
+        self._results: tuple[torch.Tensor, ...] | None = None
+        self._left: set[int] = set()
+
+    def output(self, which: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self._results is None:
+            if self.mask is not None and self.mask._version != self.mask_version:
+                raise RuntimeError(
+                    "torchstash recomputes a scaled_dot_product_attention's output in backward, "
+                    f"and its {tuple(self.mask.shape)} attn_mask was modified by an inplace "
+                    f"operation after the forward (version {self.mask._version}, expected "
+                    f"{self.mask_version}). Leave the mask unchanged until backward."
+                )
+            self._results = self.kernel(
+                q, k, v, self.dropout_p, self.is_causal, attn_mask=self.mask, scale=self.scale
+            )
+            self._left = {0, 1}
+        out = self._results[which]
+        self._left.discard(which)
+        if not self._left:
+            self._results = None
+        return out
+
+
+def _fused_output(r: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    replay = r.arguments["replay"]
+    assert isinstance(replay, FusedAttention)
+    return replay.output(int(r.arguments["which"]), q, k, v)
+
+
+def _cpu_flash(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+    out: tuple[torch.Tensor, ...] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        *args, **kwargs
+    )
+    return out
+
+
+#: Fused attention kernels whose output and log-sum-exp the engine recomputes, by the name
+#: of the backward node the call made (read from the output's graph once it returned): the
+#: device they run on and ``kernel(q, k, v, dropout_p, is_causal, attn_mask=, scale=) ->
+#: (output, logsumexp, ...)``. Only kernels checked against stock here: others keep their
+#: saves exact.
+FUSED_ATTENTION: dict[str, tuple[str, Callable[..., tuple[torch.Tensor, ...]]]] = {
+    "ScaledDotProductFlashAttentionForCpuBackward0": ("cpu", _cpu_flash),
+}
+
+
+def may_replay_attention(device: torch.device, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a fused attention call on ``device`` with these arguments can have its output
+    recomputed: a kernel for the device in :data:`FUSED_ATTENTION`, and no dropout. Checked
+    before its q, k, v are coded (the kernel itself is known only once it returned)."""
+    if _argument(args, kwargs, "dropout_p", 4):
+        return False
+    return any(kind == device.type for kind, _ in FUSED_ATTENTION.values())
+
+
+def fused_attention(result: torch.Tensor, r: Recipe) -> FusedAttention | None:
+    """A replay of the fused attention call that returned ``result``, or None when its kernel
+    is not in :data:`FUSED_ATTENTION` or it drops (dropout's random mask is not replayed)."""
+    node = result.grad_fn
+    found = FUSED_ATTENTION.get(node.name()) if node is not None else None
+    if found is None or found[0] != result.device.type or r.arguments.get("dropout_p"):
+        return None
+    return FusedAttention(found[1], r.arguments)
+
+
+#: a fused attention's output or log-sum-exp replayed (see :class:`FusedAttention`)
+FUSED = "fused_attention"
+
 _RECOMPUTE: dict[str, Callable[..., torch.Tensor]] = {
     SDPA: _saved_output,
+    FUSED: _fused_output,
     "gelu": _gelu,
     "silu": _silu,
     "layer_norm": _layer_norm,

@@ -23,8 +23,13 @@ from .compressor import Compressor
 from .derive import (
     CARRY_OPS,
     DERIVE_OPS,
+    FUSED,
+    SDPA,
     Recipe,
+    attention_operand,
+    fused_attention,
     matmul_order,
+    may_replay_attention,
     recipe,
     replay_step,
     save_kind,
@@ -52,6 +57,18 @@ AUTOCAST_CASTING_OPS = frozenset({"linear", "matmul", "conv"})
 CONSTANT_REASON = (
     "a constant (no gradient) saved by an autograd Function: kept exact, as an attention "
     "mask or a rotary table must be"
+)
+
+#: Why a fused attention's output, log-sum-exp or mask is not coded by a lossy strategy.
+FUSED_OUTPUT_REASON = (
+    "a fused attention's output, log-sum-exp and mask are kept exact, or recomputed from its "
+    "stored q, k, v in backward where its kernel allows: its backward reads them with q, k "
+    "and v, and coded copies disagree with one another"
+)
+#: Why a fused attention's q, k, v are kept exact after all.
+FUSED_EXACT_REASON = (
+    "a fused attention whose output the engine cannot recompute (its kernel is not one it "
+    "replays, or it drops): its q, k, v are kept exact like its output"
 )
 
 #: Errors a compressor raises that keep their type (a note is added): users catch these by type
@@ -166,6 +183,8 @@ class _Derivation:
     sources: list[tuple[weakref.ref[_Entry], torch.Size, str]] = field(default_factory=list)
     #: False once an operand is stored in a way its output cannot be recomputed from
     derivable: bool = True
+    #: what the op saved of its own outputs (a fused attention's output and log-sum-exp)
+    outputs: list[tuple[_Entry, torch.Size]] = field(default_factory=list)
 
 
 class _Entry:
@@ -177,6 +196,7 @@ class _Entry:
         "compressor",
         "graph",
         "pending",
+        "reason",
         "site",
         "source",
         "value",
@@ -214,6 +234,8 @@ class _Entry:
         #: softmax's backward, the matmul's and the recomputed projection input's)
         self.pending = 0
         self.cache: torch.Tensor | None = None
+        #: why it is stored as it is (counted in its row's ``declined``), or ""
+        self.reason = ""
 
     def modified(self) -> int | None:
         """The saved tensor's version now, when an in-place op changed it since the save."""
@@ -518,7 +540,12 @@ class Engine:
                 and derivable is not None
                 and bool(derivable(t, site))
             )
-            d.sources.append((weakref.ref(entry), t.shape, site.role))
+            role = site.role
+            if site.op == SDPA:  # q, k, v in the call's order (the kernel saves k first)
+                role = ("input", "arg1", "arg2")[attention_operand(t, OP_STATE.args) or 0]
+            d.sources.append((weakref.ref(entry), t.shape, role))
+        elif kind == "output" and d is not None:  # a fused attention's, after q, k, v
+            d.outputs.append((entry, t.shape))
         elif kind == "stat" and d is not None:  # saved after its input (mean, rstd)
             if isinstance(entry.value, torch.Tensor) and entry.value is not _RELEASED:
                 d.recipe.stats.append(entry.value)
@@ -530,6 +557,9 @@ class Engine:
         tls, rec = self._tls, d.recipe
         if tls.deriving is d:
             tls.deriving = None
+        if op == SDPA:
+            self._settle_fused_attention(d, result)
+            return
         if not isinstance(result, torch.Tensor) or result.numel() == 0 or not d.derivable:
             return
         if not rec.usable or len(d.sources) != rec.arity:
@@ -548,6 +578,83 @@ class Engine:
             sources = [sources[i] for i in order]
         rec.dtype, rec.shape = result.dtype, result.shape
         self._add_recipe(result, rec, tuple(sources))
+
+    def _settle_fused_attention(self, d: _Derivation, result: Any) -> None:
+        """A fused attention returned. Its backward reads ``q``, ``k``, ``v``, its output and
+        its log-sum-exp together (the map from the first two and the third, the row sums
+        from the output): codes of some beside exact others disagree, and training diverged
+        (an SDPA GPT at 300 steps: int4 +44%, fp8 NaN). So either the output and log-sum-exp
+        are recomputed from the stored ``q``, ``k``, ``v`` by the same kernel in backward
+        (:data:`~.derive.FUSED_ATTENTION`, no dropout), or every lossy code of the call is
+        turned back into its exact tensor."""
+        order = {"input": 0, "arg1": 1, "arg2": 2}
+        d.sources.sort(key=lambda source: order.get(source[2], 3))
+        entries = [ref() for ref, _, _ in d.sources]
+        replay = None
+        if isinstance(result, torch.Tensor) and result.numel() and d.recipe.usable:
+            replay = fused_attention(result, d.recipe)
+        shapes = {tuple(shape) for _, shape in d.outputs}
+        if (
+            replay is not None
+            and d.derivable
+            and len(entries) == 3
+            and all(e is not None and e.value is not _RELEASED for e in entries)
+            and [role for _, _, role in d.sources] == ["input", "arg1", "arg2"]
+            and len(d.outputs) == 2
+            and shapes == {tuple(result.shape), tuple(result.shape[:-1])}
+        ):
+            sources = [(e, shape) for e, (_, shape, _) in zip(entries, d.sources) if e is not None]
+            for entry, shape in d.outputs:
+                which = 0 if tuple(shape) == tuple(result.shape) else 1
+                rec = Recipe(FUSED, {"replay": replay, "which": which}, arity=3)
+                self._recompute_from(entry, sources, rec, shape)
+            out = next(e for e, shape in d.outputs if tuple(shape) == tuple(result.shape))
+            self._add_recipe(result, Recipe(SDPA, {}), ((weakref.ref(out), result.shape),))
+            return
+        for coded in [*entries, *(e for e, _ in d.outputs)]:
+            if coded is None or not isinstance(coded.value, Packed):
+                continue
+            if coded.compressor is None or coded.compressor.lossless:
+                continue
+            exact = coded.source()
+            if exact is not None:
+                self._store_as_is(coded, exact)
+                coded.reason = FUSED_EXACT_REASON
+                self.tally.row(coded.site).declined[FUSED_EXACT_REASON] += 1
+
+    def _recompute_from(
+        self,
+        entry: _Entry,
+        sources: list[tuple[_Entry, torch.Size]],
+        rec: Recipe,
+        shape: torch.Size,
+    ) -> None:
+        """Turn a stored entry into a recipe over ``sources`` (a fused attention's output
+        once the call returned): its bytes are given back, and it no longer counts as
+        declined."""
+        row = self.tally.row(entry.site)
+        value = entry.value
+        if isinstance(value, Packed):
+            row.compressed -= 1
+            for payload in value.payload_tensors():
+                row.stored_bytes -= self.tally.stored_storages.release(payload, entry)
+        elif isinstance(value, torch.Tensor):
+            row.stored_bytes -= self.tally.stored_storages.release(value, entry)
+            entry.watch = _version_alias(value)
+        if entry.reason:
+            row.declined[entry.reason] -= 1
+            if row.declined[entry.reason] <= 0:
+                del row.declined[entry.reason]
+            entry.reason = ""
+        compressor = sources[0][0].compressor
+        entry.value = _Recomputed(sources, rec, shape)
+        entry.compressor = compressor
+        for source, _ in sources:
+            source.pending += 1
+        row.derived += 1
+        told = getattr(compressor, "derived", None)
+        if told is not None and isinstance(value, torch.Tensor):
+            told(value, entry.site, [source.site for source, _ in sources])
 
     def _add_recipe(self, result: torch.Tensor, rec: Recipe, sources: _Sources) -> None:
         key = _dedupe_key(result)
@@ -582,16 +689,9 @@ class Engine:
         from (the one tensor argument of its size with a recipe), or None."""
         if result.numel() == 0:
             return None
-        for index, x in enumerate(args):
-            if not isinstance(x, torch.Tensor) or x.numel() != result.numel():
-                continue
-            before = _dedupe_key(x)
-            if result is x:  # in place (a ReLU's): x as it was is one version back
-                before = (*before[:-1], before[-1] - 1)
-            found = self._recipes.get(before)
-            if found is not None and found[0]() is not None:
-                break
-        else:
+        hits = ((i, self._recipe_before(x, result)) for i, x in enumerate(args))
+        index, found = next(((i, f) for i, f in hits if f is not None), (0, None))
+        if found is None:
             return None
         same = self._recipes.get(_dedupe_key(result))
         if same is not None and same[0]() is not None:
@@ -601,6 +701,18 @@ class Engine:
             return same[1], same[2]
         step = replay_step(func, args, kwargs, index)
         return None if step is None else (found[1].then(step), found[2])
+
+    def _recipe_before(
+        self, x: object, result: torch.Tensor
+    ) -> tuple[weakref.ref[torch.Tensor], Recipe, _Sources] | None:
+        """The recipe of argument ``x`` of the call that made ``result``, if it has one."""
+        if not isinstance(x, torch.Tensor) or x.numel() != result.numel():
+            return None
+        before = _dedupe_key(x)
+        if result is x:  # in place (a ReLU's): x as it was is one version back
+            before = (*before[:-1], before[-1] - 1)
+        found = self._recipes.get(before)
+        return found if found is not None and found[0]() is not None else None
 
     def _recomputed(
         self,
@@ -739,6 +851,11 @@ class Engine:
             return None, ""
         if not site.op and not t.requires_grad and not compressor.lossless:
             return None, CONSTANT_REASON
+        if site.op == SDPA and not compressor.lossless:
+            if save_kind(SDPA, site.role, t, OP_STATE.args) != "source":
+                return None, FUSED_OUTPUT_REASON
+            if not may_replay_attention(t.device, OP_STATE.args, OP_STATE.kwargs):
+                return None, FUSED_EXACT_REASON
         reasons = compressor.unsupported(t, site)
         if reasons:
             return None, "; ".join(reasons)
@@ -777,7 +894,7 @@ class Engine:
                 compressor = None
         if reason:
             row.declined[reason] += 1
-        return _Entry(
+        entry = _Entry(
             value,
             compressor,
             site,
@@ -785,6 +902,8 @@ class Engine:
             t if self.dedupe else None,
             watched=t if isinstance(value, Packed) else None,
         )
+        entry.reason = reason
+        return entry
 
     def _types(self, site: Site) -> frozenset[str]:
         frames = self._tls.frames

@@ -142,6 +142,19 @@ class StorageLedger:
             self._prune()
         return storage.nbytes()
 
+    def release(self, t: torch.Tensor, owner: object) -> int:
+        """Bytes of ``t``'s storage that ``owner`` counted, now no longer counted (0 when
+        another owner counted it): for an entry that gave its tensor up."""
+        storage = _storage(t)
+        if storage is None:
+            return 0
+        key = (storage.data_ptr(), t.device)
+        record = self._records.get(key)
+        if record is None or record[0]() is not owner or record[1].expired():
+            return 0
+        del self._records[key]
+        return storage.nbytes()
+
     def _prune(self) -> None:
         records = self._records
         for key in [k for k, (o, s) in records.items() if o() is None or s.expired()]:

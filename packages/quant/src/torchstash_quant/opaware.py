@@ -31,6 +31,7 @@ from dataclasses import replace
 import torch
 
 from torchstash.compressor import BaseCompressor, Compressor
+from torchstash.derive import attention_operand
 from torchstash.optrack import STATE
 from torchstash.packed import Packed
 from torchstash.site import Site
@@ -39,6 +40,7 @@ from ._dtypes import dtype_reasons
 from .centered import MIN_CENTERED_ROW, center_rows, uncenter
 from .derivs import CODEC as DERIV_CODEC
 from .derivs import DERIV_OPS, DerivCoder, unpack_derivative
+from .groupwise import GroupQuantizer
 from .masks import (
     DROPOUT_OPS,
     SIGN_OPS,
@@ -61,12 +63,10 @@ NORM_OPS = frozenset({"layer_norm", "group_norm", "rms_norm", "batch_norm"})
 #: Ops whose saved tensors are attention's when no operand is a Parameter (see attn_bits).
 ATTENTION_OPS = frozenset({"matmul", "softmax"})
 SDPA = "scaled_dot_product_attention"
-#: Why a fused attention's saves are kept exact by every quant strategy.
+#: What a fused attention saves besides q, k, v (a mask) is kept as it is.
 SDPA_REASON = (
-    f"{SDPA}'s saved tensors are kept exact: its backward recomputes the attention map from q, "
-    "k and the saved log-sum-exp and the row sums from the saved output, so coded copies "
-    "disagree with one another and training diverges (written-out attention keeps the map "
-    "itself, which is coded)"
+    f"{SDPA}'s saves other than q, k, v (a mask) are kept exact; its output and log-sum-exp "
+    "are recomputed from them in backward, or kept exact"
 )
 
 
@@ -79,6 +79,17 @@ SDPA_REASON = (
 #: loss at 4 bits); recomputed from 8-bit ``q`` and ``k``, 0.98-0.998. From 4-bit ones the
 #: logits' error is exponentiated: cosines 0.1-0.3 again.
 SCORES_BITS = 8
+
+
+def scores_codec(values: Compressor) -> GroupQuantizer:
+    """8-bit codes rounded to nearest, in the value codec's group size and name. Stochastic
+    rounding's noise, twice the variance, took ``k``'s weight gradient cosine on an SDPA GPT
+    trained 300 steps from 0.99 to 0.69: the logits' error is exponentiated (and unbiased
+    codes would not make the softmax of them unbiased anyway)."""
+    group_size = getattr(values, "group_size", None) or 256
+    return GroupQuantizer(SCORES_BITS, group_size, stochastic=False, name=values.name)
+
+
 #: Autograd nodes between a softmax and the matmul that reads its result: casts, dropout
 #: (a product with the mask on CPU), views.
 _MAP_NODES = frozenset(
@@ -121,6 +132,9 @@ def attention_part(x: torch.Tensor, site: Site) -> str:
         if site.role != "output":
             return ""
         return "values" if site.func == "log_softmax" else "map"
+    if site.op == SDPA:  # q, k: its map is recomputed from them; v
+        position = attention_operand(x, STATE.args)
+        return "" if position is None else ("scores", "scores", "values")[position]
     if site.op != "matmul" or any(isinstance(a, torch.nn.Parameter) for a in STATE.args):
         return ""
     return "values" if any(from_softmax(a) for a in STATE.args) else "scores"
@@ -140,9 +154,8 @@ class OpAware(BaseCompressor):
         scores: Compressor | None = None,
     ) -> None:
         self.values = values
-        #: the code of attention's scores' operands where the value codec takes no ``bits=``
-        #: (None: the value codec's own; see :data:`SCORES_BITS`)
-        self.scores = scores
+        #: the code of attention's scores' operands, ``q`` and ``k`` (see :data:`SCORES_BITS`)
+        self.scores = scores or scores_codec(values)
         self.norms = norms
         #: width of norm inputs in row-aligned groups (None: the codec's own)
         self.norm_bits: int | None = getattr(norms, "bits", None)
@@ -227,10 +240,9 @@ class OpAware(BaseCompressor):
         9.8x against 0.993 at 7.2x)."""
         if site.op == "batch_norm" and getattr(self.values, "bits", 8) < 4:
             return False
-        kind = self.variant(x, site)
-        if kind == "scores":  # the attention map is recomputed under every strategy
-            return True
-        return self.derive and kind in ("", "norm", "act", "attn")
+        if attention_part(x, site) in ("scores", "values"):
+            return True  # attention's map and output are recomputed under every strategy
+        return self.derive and self.variant(x, site) in ("", "norm", "act", "attn")
 
     def derived(self, x: torch.Tensor, site: Site, sources: list[Site]) -> None:
         """A save recomputed from codes stored here: the value codec's budget counts it."""
@@ -246,7 +258,7 @@ class OpAware(BaseCompressor):
                 return reasons
         if site.op in NORM_OPS and site.role == "output":
             return [f"{site.op}'s saved statistics (mean, rstd) are small and kept exact"]
-        if site.op == SDPA:
+        if site.op == SDPA and not attention_part(x, site):
             return [SDPA_REASON]
         if kind == "norm" and self._centered_layout(x, site) is None:
             return [
@@ -290,16 +302,15 @@ class OpAware(BaseCompressor):
                 return x
             return self._compress_centered(x, site, run)
         rows = self._row_group_size(x)
-        if self._aligns and (kind == "scores" or attention_part(x, site) == "map"):
-            # q and k: the map is recomputed from them; a map stored anyway (no recipe
-            # reached it) is not coded below their width either (see SCORES_BITS)
-            bits = max(SCORES_BITS, self.attn_bits or 0)
-            return self.values.compress(x, site, bits=bits, group_size=rows)  # type: ignore[call-arg]
-        if kind == "scores" and self.scores is not None:
-            packed = self.scores.compress(x, site)
+        if kind == "scores":
+            packed = self.scores.compress(x, site, group_size=rows)  # type: ignore[call-arg]
             if isinstance(packed, Packed):
                 packed.meta["scores"] = True
             return packed
+        if self._aligns and attention_part(x, site) == "map":
+            # a map stored after all (no recipe reached it): not below q's and k's width
+            widest = max(SCORES_BITS, self.attn_bits or 0)
+            return self.values.compress(x, site, bits=widest, group_size=rows)  # type: ignore[call-arg]
         if kind in ("attn", "act"):
             bits = self.attn_bits if kind == "attn" else self.act_bits
             return self.values.compress(x, site, bits=bits, group_size=rows)  # type: ignore[call-arg]
@@ -357,7 +368,7 @@ class OpAware(BaseCompressor):
             return unpack_pool_positions(packed)
         if packed.meta.get("norm") and self.norms is not None:
             return self.norms.decompress(packed)
-        if packed.meta.get("scores") and self.scores is not None:
+        if packed.meta.get("scores"):
             return self.scores.decompress(packed)
         return self.values.decompress(packed)
 

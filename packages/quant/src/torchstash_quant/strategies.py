@@ -140,14 +140,7 @@ def auto(
 
 
 def fp8(group_size: int = 256) -> OpAware:
-    """e4m3 codes, but for attention's scores' operands: 8-bit integer codes (the map is
-    recomputed from them, and e4m3's 3-bit mantissa is 2-5 times coarser than 8-bit steps
-    over most of a group's range: on a GPT trained 150-300 steps, ``k``'s weight gradient
-    cosine 0.87-0.93 with e4m3 ``q`` and ``k``, against 0.99 with int8 ones)."""
-    return OpAware(
-        Fp8Quantizer(group_size),
-        scores=GroupQuantizer(8, group_size, stochastic=False, name="quant.fp8"),
-    )
+    return OpAware(Fp8Quantizer(group_size))
 
 
 def register(registry: Registry) -> None:
