@@ -17,8 +17,10 @@ a cosine for the CNN, whose BatchNorm statistics lag a constant rate), 300 steps
 Per (model, strategy) it reports the final validation loss and its difference from stock's in
 percent, whether that meets the strategy's target (:data:`TARGETS`; lossless strategies must
 stay within 0.1%, dropit and quant.int1 are reported only), the worst per-parameter gradient
-cosine against stock at step 0 (same weights, same batch), and stock's saved bytes over the
-strategy's for the last step.
+cosine against stock at step 0 (same weights, same batch) and at stock's trained weights (the
+end of its run, on a held-out batch: attention is peaked there, where a coded attention map
+once gave ``q``'s and ``k``'s gradients cosines near 0 while step 0 read 0.99), and stock's
+saved bytes over the strategy's for the last step.
 
     python scripts/convergence.py --threads 1 --json conv.json --markdown conv.md
     python scripts/convergence.py --models gpt-manual --strategies none,quant.int8 --steps 50
@@ -437,6 +439,10 @@ class Run:
     worst_cos_param: str | None = None
     whole_cos: float | None = None  # of the whole gradient
     cos_skipped: list[str] = field(default_factory=list)  # stock gradient zero up to rounding
+    #: the same at stock's trained weights (its last step's), on a held-out batch
+    trained_worst_cos: float | None = None
+    trained_worst_param: str | None = None
+    trained_whole_cos: float | None = None
     raw_bytes: int | None = None  # what stock saves in one step
     stored_bytes: int | None = None  # what this run kept for the same step
     host_bytes: int | None = None
@@ -573,6 +579,32 @@ def grad_cosines(model: nn.Module, stock: dict[str, Tensor]) -> Cosines:
     return Cosines(worst, where, whole, skipped)
 
 
+@dataclass
+class Trained:
+    """Stock's weights at the end of its run, and its gradient there on a held-out batch."""
+
+    state: dict[str, Tensor]
+    grads: dict[str, Tensor]
+
+
+def gradients(task: Task, model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+    model.zero_grad(set_to_none=True)
+    task.loss(model, x, y).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def trained_cosines(task: Task, strategy: str, trained: Trained, seed: int) -> Cosines:
+    """The strategy's gradient against stock's at stock's trained weights (same batch)."""
+    torch.manual_seed(seed)
+    model = task.build().to(task.device)
+    model.load_state_dict(trained.state)
+    spec, options = parse_spec(strategy)
+    x, y = task.val[0]
+    with torchstash.apply(model, spec, **options):
+        gradients(task, model, x, y)
+    return grad_cosines(model, trained.grads)
+
+
 def train(
     task: Task,
     strategy: str | None,
@@ -581,9 +613,10 @@ def train(
     cfg: Config,
     stock: Run | None = None,
     stock_grads: dict[str, Tensor] | None = None,
-) -> tuple[Run, dict[str, Tensor]]:
+    trained: Trained | None = None,
+) -> tuple[Run, dict[str, Tensor], Trained | None]:
     """Train a fresh model (stock when ``strategy`` is None); returns the run and, for stock,
-    its step-0 gradients. An exception ends the run with ``error`` set."""
+    its step-0 gradients and :class:`Trained`. An exception ends the run with ``error`` set."""
     info = strategy_info()
     name = strategy or STOCK
     lossless = True if strategy is None else info.get(parse_spec(strategy)[0], {}).get("lossless")
@@ -647,6 +680,18 @@ def train(
             run.host_bytes = 0
         run.val_loss, run.val_acc = evaluate(task, model)
         run.step_ms = statistics.median(times[1:] or times) * 1e3
+        if strategy is None:
+            x, y = task.val[0]
+            model.train()
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            trained = Trained(state, gradients(task, model, x, y))
+        elif trained is not None:
+            if handle is not None:
+                handle.remove()
+                handle = None
+            cos = trained_cosines(task, strategy, trained, seed)
+            run.trained_worst_cos, run.trained_worst_param = cos.worst, cos.worst_param
+            run.trained_whole_cos = cos.whole
     except Exception as e:  # one strategy's failure must not stop the others
         run.error = error_text(e)
     finally:
@@ -656,7 +701,7 @@ def train(
     if stock is not None and run.val_loss is not None and stock.val_loss:
         run.rel_pct = 100 * (run.val_loss - stock.val_loss) / stock.val_loss
     run.met = met_target(run)
-    return run, grads0
+    return run, grads0, trained
 
 
 # -- all runs -------------------------------------------------------------------------------
@@ -679,8 +724,9 @@ def progress_line(run: Run) -> str:
         what = (
             f"val {fmt(run.val_loss, '.4f')} ({fmt(run.rel_pct, '+.2f', '%')}; {target}"
             f"{': ' + verdict if verdict else ''}), worst grad cos {fmt(run.worst_cos, '.4f')} "
-            f"({run.worst_cos_param}), whole {fmt(run.whole_cos, '.4f')}, "
-            f"ratio {fmt(run.ratio, '.2f', 'x')}"
+            f"({run.worst_cos_param}), whole {fmt(run.whole_cos, '.4f')}; trained: worst "
+            f"{fmt(run.trained_worst_cos, '.4f')} ({run.trained_worst_param}), whole "
+            f"{fmt(run.trained_whole_cos, '.4f')}; ratio {fmt(run.ratio, '.2f', 'x')}"
         )
     if run.error:
         what = f"FAILED: {run.error}"
@@ -690,11 +736,11 @@ def progress_line(run: Run) -> str:
 def run_model(
     task: Task, strategies: Sequence[str], steps: int, seed: int, cfg: Config
 ) -> list[Run]:
-    stock, grads = train(task, None, steps, seed, cfg)
+    stock, grads, trained = train(task, None, steps, seed, cfg)
     print(progress_line(stock), flush=True)
     runs = [stock]
     for s in strategies:
-        run, _ = train(task, s, steps, seed, cfg, stock=stock, stock_grads=grads)
+        run, _, _ = train(task, s, steps, seed, cfg, stock, grads, trained)
         print(progress_line(run), flush=True)
         runs.append(run)
     return runs
@@ -726,6 +772,8 @@ COLUMNS = (
     "val acc",
     "worst grad cos",
     "whole cos",
+    "trained worst",
+    "trained whole",
     "ratio",
     "rise",
     "step ms",
@@ -746,6 +794,8 @@ def rows(runs: Sequence[Run]) -> list[list[str]]:
                 "" if r.val_acc is None else f"{100 * r.val_acc:.1f}%",
                 "" if r.strategy == STOCK else fmt(r.worst_cos, ".4f"),
                 "" if r.strategy == STOCK else fmt(r.whole_cos, ".4f"),
+                "" if r.strategy == STOCK else fmt(r.trained_worst_cos, ".4f"),
+                "" if r.strategy == STOCK else fmt(r.trained_whole_cos, ".4f"),
                 fmt(r.ratio, ".2f", "x"),
                 fmt(r.rise, ".3f"),
                 fmt(r.step_ms, ".0f"),
@@ -785,7 +835,9 @@ def legend(steps: int, cfg: Config) -> str:
         f"rise (lossless: within ±{LOSSLESS_PCT:g}% either way; '-' = reported only); worst grad "
         "cos = lowest per-parameter gradient cosine against stock at step 0 (same batch; "
         f"parameters whose stock gradient is zero up to rounding, norm <= {ZERO_GRAD:g} of the "
-        "whole gradient's, left out); whole cos = the whole gradient's cosine; ratio = stock's saved bytes / the strategy's for one step; rise = most the "
+        "whole gradient's, left out); whole cos = the whole gradient's cosine; trained worst "
+        "and trained whole = the same at stock's weights after its last step, on a held-out "
+        "batch; ratio = stock's saved bytes / the strategy's for one step; rise = most the "
         f"{cfg.curve_every}-step mean train loss climbed back above its lowest so far."
     )
 

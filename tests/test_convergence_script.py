@@ -45,10 +45,12 @@ def test_two_steps_write_table_json_and_markdown(conv, tmp_path: Path, capsys) -
         if r["strategy"] == "none":
             assert r["rel_pct"] == 0.0  # the identity is bit-exact, not merely close
             assert r["worst_cos"] == pytest.approx(1.0, abs=1e-9)
+            assert r["trained_worst_cos"] == pytest.approx(1.0, abs=1e-9)
             assert r["met"] is True
         if r["strategy"] == "quant.int8":
             assert r["target_pct"] == 1.0 and r["ratio"] > 2
             assert 0.9 < r["worst_cos"] <= 1.0 + 1e-9
+            assert 0.9 < r["trained_whole_cos"] <= 1.0 + 1e-9
     assert runs[3]["val_acc"] is not None  # the CNN reports accuracy
 
     table = out.getvalue()
