@@ -24,6 +24,7 @@ saved bytes over the strategy's for the last step.
 
     python scripts/convergence.py --threads 1 --json conv.json --markdown conv.md
     python scripts/convergence.py --models gpt-manual --strategies none,quant.int8 --steps 50
+    python scripts/convergence.py --models gpt-manual,gpt-sdpa --probe-only
 
 ``--check`` makes the exit status 1 when a strategy misses its target (or fails where it has
 one). One line is printed per finished run, flushed, so a log is never silent for long.
@@ -733,14 +734,45 @@ def progress_line(run: Run) -> str:
     return f"[{run.model}] {run.strategy}: {what}; {run.wall_s:.1f} s"
 
 
+def probe(task: Task, strategy: str, seed: int, grads0: dict[str, Tensor], trained: Trained) -> Run:
+    """A strategy's gradient cosines only, at step 0 and at stock's trained weights: no
+    training of its own (``--probe-only``)."""
+    run = Run(task.name, strategy)
+    t0 = time.perf_counter()
+    try:
+        torch.manual_seed(seed)
+        model = task.build().to(task.device)
+        spec, options = parse_spec(strategy)
+        x, y = task.batch(0)
+        with torchstash.apply(model, spec, **options):
+            gradients(task, model, x, y)
+        cos = grad_cosines(model, grads0)
+        run.worst_cos, run.worst_cos_param, run.whole_cos = cos.worst, cos.worst_param, cos.whole
+        cos = trained_cosines(task, strategy, trained, seed)
+        run.trained_worst_cos, run.trained_worst_param = cos.worst, cos.worst_param
+        run.trained_whole_cos = cos.whole
+    except Exception as e:
+        run.error = error_text(e)
+    run.wall_s = time.perf_counter() - t0
+    return run
+
+
 def run_model(
-    task: Task, strategies: Sequence[str], steps: int, seed: int, cfg: Config
+    task: Task,
+    strategies: Sequence[str],
+    steps: int,
+    seed: int,
+    cfg: Config,
+    probe_only: bool = False,
 ) -> list[Run]:
     stock, grads, trained = train(task, None, steps, seed, cfg)
     print(progress_line(stock), flush=True)
     runs = [stock]
     for s in strategies:
-        run, _, _ = train(task, s, steps, seed, cfg, stock, grads, trained)
+        if probe_only and trained is not None:
+            run = probe(task, s, seed, grads, trained)
+        else:
+            run, _, _ = train(task, s, steps, seed, cfg, stock, grads, trained)
         print(progress_line(run), flush=True)
         runs.append(run)
     return runs
@@ -865,6 +897,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", type=Path, default=None, help="write the table here")
     p.add_argument("--quick", action="store_true", help="tiny models and data (smoke test)")
     p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    p.add_argument(
+        "--probe-only",
+        action="store_true",
+        help="train stock only; for each strategy just its gradient cosines (step 0 and at "
+        "stock's trained weights): minutes, not an hour",
+    )
     return p
 
 
@@ -913,7 +951,7 @@ def _main(
     for m in args.models:
         task = make_task(m, cfg, args.steps, args.seed, device)
         described[m] = task.describe
-        runs += run_model(task, strategies, args.steps, args.seed, cfg)
+        runs += run_model(task, strategies, args.steps, args.seed, cfg, args.probe_only)
     wall = time.perf_counter() - t0
     title = f"convergence: {args.steps} steps on {device}, {threads} threads"
     console.print(table(runs, title))
@@ -948,6 +986,8 @@ def _main(
     verdict = (
         f"missed: {', '.join(f'{r.model}/{r.strategy}' for r in missed)}" if missed else "all met"
     )
+    if args.probe_only:
+        verdict = "not judged (--probe-only trains stock alone)"
     print(f"done in {wall:.0f} s; targets {verdict}", flush=True)
     return 1 if args.check and missed else 0
 

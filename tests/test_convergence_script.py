@@ -61,6 +61,17 @@ def test_two_steps_write_table_json_and_markdown(conv, tmp_path: Path, capsys) -
     assert sum(line.startswith("[cnn] ") for line in lines) == 3  # one line per run
 
 
+def test_probe_only_measures_cosines_without_training(conv, tmp_path: Path) -> None:
+    args = ["--quick", "--steps", "2", "--threads", "1", "--device", "cpu", "--probe-only"]
+    args += ["--models", "gpt-sdpa", "--strategies", "none,quant.int2"]
+    args += ["--json", str(tmp_path / "c.json")]
+    assert conv.main(args, console=Console(file=io.StringIO(), width=200)) == 0
+    stock, none, int2 = json.loads((tmp_path / "c.json").read_text())["runs"]
+    assert stock["val_loss"] is not None and none["val_loss"] is None  # not trained
+    assert none["trained_worst_cos"] == pytest.approx(1.0, abs=1e-9)
+    assert 0.5 < int2["trained_whole_cos"] <= 1.0 + 1e-9
+
+
 def test_targets(conv) -> None:
     assert conv.target_of("quant.int8", False) == 1.0
     assert conv.target_of("quant.int2", False) == 3.0
