@@ -10,10 +10,14 @@ restored input in backward. The bytes saved can buy the input a wider code, so t
 comes back closer to exact than its own code of the same total size would give.
 
 Attention's output is recomputed the same way: ``attn @ v`` from the two operands the matmul
-saved (a fused ``scaled_dot_product_attention`` saves its output itself), carried through the ``transpose``/``reshape`` copy that feeds the output projection
+saved, carried through the ``transpose``/``reshape`` copy that feeds the output projection
 (:data:`LAYOUT_OPS`: a recipe for an op's input is one for its output, one step longer); so
-is a training BatchNorm's output, carried through the (in-place) ReLU after it
-(:data:`POINTWISE_OPS`). Under autocast the engine also matches a projection's bf16 copy of
+is a training BatchNorm's output, carried through the (in-place) ReLU after it, and the
+attention map itself: ``q @ k.T`` carried through the scale, the mask, the softmax and the
+casts (:data:`POINTWISE_OPS`, replayed by :class:`Replay` with the call's other arguments
+held as they were). A fused ``scaled_dot_product_attention``'s output and log-sum-exp are
+replayed from its saved ``q``, ``k``, ``v`` by the same kernel (:class:`FusedAttention`,
+:data:`FUSED_ATTENTION`). Under autocast the engine also matches a projection's bf16 copy of
 such an output, read from autograd's graph, as the recipe followed by the same cast.
 
 Only for ops whose output is a pure function of the inputs, arguments and the statistics the

@@ -649,12 +649,31 @@ class Engine:
         compressor = sources[0][0].compressor
         entry.value = _Recomputed(sources, rec, shape)
         entry.compressor = compressor
+        if compressor is not None:
+            self._derive(
+                value if isinstance(value, torch.Tensor) else None,
+                sources,
+                compressor,
+                entry.site,
+                row,
+            )
+
+    def _derive(
+        self,
+        t: torch.Tensor | None,
+        sources: list[tuple[_Entry, torch.Size]],
+        compressor: Compressor,
+        site: Site,
+        row: Row,
+    ) -> None:
+        """Count a save recomputed from ``sources``, which it will restore once each, and tell
+        the compressor that stored them (``derived``: its budget counts it)."""
         for source, _ in sources:
             source.pending += 1
         row.derived += 1
         told = getattr(compressor, "derived", None)
-        if told is not None and isinstance(value, torch.Tensor):
-            told(value, entry.site, [source.site for source, _ in sources])
+        if told is not None and t is not None:
+            told(t, site, [source.site for source, _ in sources])
 
     def _add_recipe(self, result: torch.Tensor, rec: Recipe, sources: _Sources) -> None:
         key = _dedupe_key(result)
@@ -742,12 +761,7 @@ class Engine:
             ):
                 return None
             sources.append((source, shape))
-        for source, _ in sources:
-            source.pending += 1
-        row.derived += 1
-        told = getattr(compressor, "derived", None)
-        if told is not None:
-            told(t, site, [source.site for source, _ in sources])
+        self._derive(t, sources, compressor, site, row)
         return _Entry(
             _Recomputed(sources, rec, t.shape), compressor, site, t._version, t, watched=t
         )

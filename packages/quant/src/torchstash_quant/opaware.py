@@ -14,11 +14,12 @@ takes the tensor instead. Other tensors: groups inside one innermost row where t
 at most twice the scales.
 Inputs of GELU and SiLU: with ``deriv_bits`` set, a code of their derivative
 (:mod:`.derivs`) instead of the values.
-Attention's tensors (a softmax's output, both operands of a matmul of two activations):
-with ``attn_bits`` set, at that width instead of the codec's (measured in the demo at 2 bits:
-they cost more of the final loss than everything else together).
-(Softmax already saves only its output, and the engine stores a tensor saved by several
-ops once, so an attention map is never kept twice.)
+Attention: the map is never stored. The engine recomputes it in backward from ``q`` and ``k``
+(written out) or replays a fused attention from ``q``, ``k``, ``v``; those operands of the
+scores are kept at :data:`SCORES_BITS`, rounded to nearest, whatever the width. ``v`` (and a
+map after a dropout that drops, read only by its ``@ v``): with ``attn_bits`` set, at that
+width instead of the codec's (measured in the demo at 2 bits: attention cost more of the
+final loss than everything else together).
 Inputs that stand in for outputs (``derive``): a LayerNorm's input (at ``norm_bits``) and a
 GELU's or SiLU's kept as values (at ``act_bits``) are ``derivable``, so the engine recomputes
 the op's output from them when the next op saves it (:mod:`torchstash.derive`).
