@@ -478,3 +478,25 @@ def test_mask_held_by_a_recipe_is_counted_once_and_checked() -> None:
             RuntimeError, match="modified by an inplace operation after the forward"
         ):
             loss.backward()
+
+
+def test_attention_map_is_recomputed_once_per_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three backward ops read the map (the softmax's, the ``@ v``'s and the projection
+    input's recipe): it is replayed once and kept until the last of them read it."""
+    from torchstash import derive
+
+    replayed: list[str] = []
+    call = derive.Replay.__call__
+
+    def counted(self: derive.Replay, t: torch.Tensor) -> torch.Tensor:
+        replayed.append(getattr(self.func, "__name__", ""))
+        return call(self, t)
+
+    monkeypatch.setattr(derive.Replay, "__call__", counted)
+    torch.manual_seed(0)
+    model, x = WrittenAttention("nanogpt"), torch.randn(2, 8, 32)
+    with ts.apply(model, "test.derive", min_bytes=0):
+        loss = model(x).square().sum()
+        assert replayed == []
+        loss.backward()
+    assert replayed.count("softmax") == 1, replayed
