@@ -49,8 +49,8 @@ def check_deriv_bits(value: object, strategy: str, default: int | None) -> int |
 
 
 def check_attn_bits(value: object, strategy: str, option: str = "attn_bits") -> int | None:
-    """``attn_bits``: width of attention's tensors (softmax outputs, matmul operands); None
-    keeps them at the strategy's own width."""
+    """``attn_bits``: width of attention's values (``v``, a map after a dropout that drops);
+    None keeps them at the strategy's own width."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value not in BITS:

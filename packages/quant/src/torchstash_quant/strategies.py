@@ -28,10 +28,12 @@ DERIV_DEFAULT: dict[int, int | None] = {1: 2, 2: 2, 4: None, 8: None}
 #: ViT) at 12.4x, against 0.93/0.88 at 14.9x with 2-bit GELU inputs (see the README).
 ACT_DEFAULT: dict[int, int | None] = {1: None, 2: 4, 4: 8, 8: None}
 
-#: ``attn_bits="auto"`` per width: attention's tensors at 4 bits under ``quant.int2``. With
-#: LayerNorm outputs recomputed from 4-bit inputs, this took the demo's final loss from +5.4%
-#: over stock to +2.2%, at 14x (attention decides training at 2 bits; the one-step cosine
-#: barely sees it).
+#: ``attn_bits="auto"`` per width: attention's values (``v``, and a map after a dropout that
+#: drops) at 4 bits under ``quant.int2``. With LayerNorm outputs recomputed from 4-bit inputs,
+#: attention at 4 bits took the demo's final loss from +5.4% over stock to +2.2%, at 14x
+#: (attention decides training at 2 bits; the one-step cosine barely sees it). The map itself
+#: is recomputed from ``q`` and ``k``, which are kept at 8 bits whatever the width
+#: (:data:`~.opaware.SCORES_BITS`).
 ATTN_DEFAULT: dict[int, int | None] = {1: None, 2: 4, 4: None, 8: None}
 
 
@@ -50,8 +52,8 @@ def quant(
     inputs of normalization ops at ``norm_bits`` (``"auto"``: 8 when ``bits`` is 4, 4 below;
     None: at ``bits`` like everything else); GELU/SiLU inputs as derivative codes of
     ``deriv_bits`` (``"auto"``: 2 bits below 4, else their values; see :data:`DERIV_DEFAULT`);
-    attention's softmax outputs and matmul operands at ``attn_bits`` (``"auto"``: see
-    :data:`ATTN_DEFAULT`; None: at ``bits``);
+    attention's values (``v``) at ``attn_bits`` (``"auto"``: see :data:`ATTN_DEFAULT`; None:
+    at ``bits``; its map is recomputed from ``q`` and ``k``, kept at 8 bits);
     GELU/SiLU inputs as values at ``act_bits`` (``"auto"``: see :data:`ACT_DEFAULT`; None:
     derivative codes or values as above). With ``derive``, LayerNorm inputs (at ``norm_bits``)
     and GELU/SiLU inputs stored as values stand in for the ops' outputs: the next op's saved
