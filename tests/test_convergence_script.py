@@ -38,7 +38,9 @@ def test_two_steps_write_table_json_and_markdown(conv, tmp_path: Path, capsys) -
 
     runs = json.loads((tmp_path / "c.json").read_text())["runs"]
     assert [(r["model"], r["strategy"]) for r in runs] == [
-        (m, s) for m in ("gpt-manual", "cnn") for s in ("stock", "none", "quant.int8")
+        (m, s)
+        for m in ("gpt-manual", "cnn")
+        for s in ("stock", "stock+noise", "none", "quant.int8")
     ]
     assert all(r["error"] is None and r["val_loss"] is not None for r in runs)
     for r in runs:
@@ -51,14 +53,16 @@ def test_two_steps_write_table_json_and_markdown(conv, tmp_path: Path, capsys) -
             assert r["target_pct"] == 1.0 and r["ratio"] > 2
             assert 0.9 < r["worst_cos"] <= 1.0 + 1e-9
             assert 0.9 < r["trained_whole_cos"] <= 1.0 + 1e-9
-    assert runs[3]["val_acc"] is not None  # the CNN reports accuracy
+    assert runs[4]["val_acc"] is not None  # the CNN reports accuracy
+    noise = runs[1]  # stock from slightly other weights: close, not equal
+    assert noise["rel_pct"] is not None and noise["target_pct"] is None
 
     table = out.getvalue()
     assert "worst grad cos" in table and "quant.int8" in table
     md = (tmp_path / "c.md").read_text()
     assert "| gpt-manual | none |" in md and "+0.00%" in md
     lines = capsys.readouterr().out.splitlines()
-    assert sum(line.startswith("[cnn] ") for line in lines) == 3  # one line per run
+    assert sum(line.startswith("[cnn] ") for line in lines) == 4  # one line per run
 
 
 def test_probe_only_measures_cosines_without_training(conv, tmp_path: Path) -> None:
