@@ -17,7 +17,8 @@ which turns noise into bias (measured: 99 times the 2-bit error at 1 bit); it st
 
 A save the engine recomputes from stored codes (a LayerNorm's or GELU's output, attention's
 output: :mod:`torchstash.derive`) costs no bits but counts in the average, so the budget is
-bits per element autograd saved. Its error is its sources' noise carried through the op:
+bits per element autograd saved; a save coded at a fixed width beside the allocation
+(attention's ``q`` and ``k`` at 8 bits, a loss's at 4) counts at that width. Its error is its sources' noise carried through the op:
 each source's estimate gains the consumer's ``K * |G|^2`` times the variance ratio of the
 output to the source (a LayerNorm's ``(w * rstd)**2``, a GELU's mean ``f'**2``, roughly).
 
@@ -107,7 +108,9 @@ class SiteStats:
     numel: int
     kind: str
     contraction: int
-    pinned: bool = False
+    #: a width fixed outside the allocation (a loss's, attention's scores' operands'): it
+    #: counts against the budget at that width
+    pinned: int | None = None
     unit_var: torch.Tensor | None = None  # mean over elements of range**2 / 6
     grad_sq: torch.Tensor | None = None  # |G|^2 of the op's output
     grads: int = 0
@@ -260,7 +263,8 @@ class AutoQuantizer(BaseCompressor):
         kind, contraction = site_kind(x, site)
         if kind == "norm" and not aligned:
             kind = "norm_unaligned"
-        stats = SiteStats(x.numel(), kind, contraction, pinned=site.op in LOSS_OPS)
+        pinned = self._at_least(LOSS_BITS) if site.op in LOSS_OPS else None
+        stats = SiteStats(x.numel(), kind, contraction, pinned=pinned)
         step = packed.tensors["step"]
         assert isinstance(step, torch.Tensor)
         levels = float(2**width - 1)
@@ -269,6 +273,16 @@ class AutoQuantizer(BaseCompressor):
         stats.variance = _variance(x)
         self.stats[site.key] = stats
         self._watch(stats)
+
+    def fixed_width(self, x: torch.Tensor, site: Site, bits: int) -> None:
+        """A save coded at ``bits`` by another codec beside this one (attention's ``q`` and
+        ``k``, :data:`~.opaware.SCORES_BITS`): not allocated, but its bits count in the
+        average, so the budget stays bits per element saved."""
+        with self._lock:
+            if not self._measuring or x.numel() == 0:
+                return
+            kind, contraction = site_kind(x, site)
+            self.stats[site.key] = SiteStats(x.numel(), kind, contraction, pinned=bits)
 
     def derived(self, x: torch.Tensor, site: Site, sources: list[Site]) -> None:
         """A save recomputed from codes stored here (see the module docstring)."""
@@ -332,7 +346,7 @@ class AutoQuantizer(BaseCompressor):
         return extra
 
     def _allocate(self) -> None:
-        measured = {k: s for k, s in self.stats.items() if s.grads > 0 or s.pinned}
+        measured = {k: s for k, s in self.stats.items() if s.grads > 0 or s.pinned is not None}
         sources = {k for r in self.recomputed.values() for k in r.sources}
         measured.update({k: s for k, s in self.stats.items() if k in sources})
         if not measured:
@@ -343,11 +357,10 @@ class AutoQuantizer(BaseCompressor):
         # are the smallest measured across the zoo (the ViT's are 10 to 80 times the GPT's),
         # so the estimate is trusted to raise them, not to lower them.
         floor = self._at_least(max(PATH_FLOOR, self.default_bits))
-        loss = self._at_least(LOSS_BITS)
         needs = {}
         for k, s in measured.items():
-            if s.pinned:  # a loss: its width is fixed, but it counts against the budget
-                needs[k] = Need(s.numel, 0.0, loss, ceiling=loss)
+            if s.pinned is not None:  # its width is fixed, but it counts against the budget
+                needs[k] = Need(s.numel, 0.0, s.pinned, ceiling=s.pinned)
             else:
                 low = self.candidates[0] if s.kind in TERMINAL_KINDS else floor
                 high = self.candidates[-1]

@@ -307,6 +307,9 @@ class OpAware(BaseCompressor):
             packed = self.scores.compress(x, site, group_size=rows)  # type: ignore[call-arg]
             if isinstance(packed, Packed):
                 packed.meta["scores"] = True
+                told = getattr(self.values, "fixed_width", None)
+                if told is not None:  # a budget (quant.auto's) counts these bits too
+                    told(x, site, getattr(self.scores, "bits", SCORES_BITS))
             return packed
         if self._aligns and attention_part(x, site) == "map":
             # a map stored after all (no recipe reached it): not below q's and k's width
