@@ -18,9 +18,10 @@ which turns noise into bias (measured: 99 times the 2-bit error at 1 bit); it st
 A save the engine recomputes from stored codes (a LayerNorm's or GELU's output, attention's
 output: :mod:`torchstash.derive`) costs no bits but counts in the average, so the budget is
 bits per element autograd saved; a save coded at a fixed width beside the allocation
-(attention's ``q`` and ``k`` at 8 bits, a loss's at 4) counts at that width. Its error is its sources' noise carried through the op:
-each source's estimate gains the consumer's ``K * |G|^2`` times the variance ratio of the
-output to the source (a LayerNorm's ``(w * rstd)**2``, a GELU's mean ``f'**2``, roughly).
+(attention's ``q`` and ``k`` at 8 bits, a loss's at 4) counts at that width. A recomputed
+save's error is its sources' noise carried through the op: each source's estimate gains the
+consumer's ``K * |G|^2`` times the variance ratio of the output to the source (a
+LayerNorm's ``(w * rstd)**2``, a GELU's mean ``f'**2``, roughly).
 
 Both ingredients come free with a normal step: the group steps are the kernel's output and
 ``|G|^2`` is one reduction in a hook on the op's output. One step in every ``interval`` is
