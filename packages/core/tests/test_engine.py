@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 import torchstash as ts
+from torchstash.compressor import Compressor
 from torchstash.optrack import STATE as OP_STATE
 from torchstash.optrack import OpTracker, on_result
 from torchstash.site import Site
@@ -529,25 +531,35 @@ def test_as_op_names_a_custom_functions_saves(recorder: Recorder) -> None:
     assert ("square", "input") in named and ("", "") in named
 
 
-def test_an_ops_own_codec_is_used_and_yields_to_a_raw_save() -> None:
-    from torchstash.optrack import as_op, engine_active
+@pytest.fixture
+def square_default() -> Iterator[Compressor]:
+    """A plug-in op ``toyplug.square`` whose saves have a default code of their own."""
+    from torchstash.registry import REGISTRY
     from torchstash.testing.toys import HalfCompressor
 
     codec = HalfCompressor()
+    REGISTRY.register_op_default("toyplug.square", lambda: codec, summary="halves")
+    try:
+        yield codec
+    finally:
+        REGISTRY.unregister_op_default("toyplug.square")
+
+
+def test_an_ops_default_code_is_used_and_yields_to_a_raw_save(square_default: Compressor) -> None:
     x = torch.randn(64, 64, requires_grad=True)
-    assert not engine_active()
+    assert not ts.engine_active()
     with ts.stash("none", min_bytes=0) as s:
-        assert engine_active()
+        assert ts.engine_active()
         h = x * 1.0
-        with as_op("square", (h,), codec=codec):
-            y = _Square.apply(h)  # saves h: coded by the op's codec, not the policy's none
-            inner = h.exp()  # a torch call inside the block: its own op, no codec
+        with ts.as_op("square", (h,), func="toyplug.square"):
+            y = _Square.apply(h)  # saves h: coded by the op's default, not the policy's none
+            inner = h.exp()  # a torch call inside the block: its own op, no default
     rows = list(s.tally.rows.values())
     assert sum(r.compressed for r in rows) == 1
     (y.sum() + inner.sum()).backward()
     with ts.stash("none", min_bytes=0) as s2:
         h = x * 1.0
-        with as_op("square", (h,), codec=codec):
+        with ts.as_op("square", (h,), func="toyplug.square"):
             y = _Square.apply(h)
         z = h * h  # mul saves h as is: the code is dropped, one raw copy shared
     assert sum(r.compressed for r in s2.tally.rows.values()) == 0
@@ -555,3 +567,15 @@ def test_an_ops_own_codec_is_used_and_yields_to_a_raw_save() -> None:
     x.grad = None
     (y.sum() + z.sum()).backward()
     assert torch.equal(x.grad, 4 * x.detach())  # type: ignore[arg-type]
+
+
+def test_a_rule_naming_the_op_overrides_its_default(square_default: Compressor) -> None:
+    """The default is a policy default: a rule that names the op decides instead."""
+    x = torch.randn(64, 64, requires_grad=True)
+    policy = [{"strategy": "none"}, {"op": "toyplug.square", "strategy": "none"}]
+    with ts.stash(policy=policy, min_bytes=0) as s:
+        h = x * 1.0
+        with ts.as_op("square", (h,), func="toyplug.square"):
+            y = _Square.apply(h)
+    assert sum(r.compressed for r in s.tally.rows.values()) == 0
+    y.sum().backward()

@@ -14,11 +14,12 @@ from ._version import __version__
 from .api import Handle, apply, handle_of, remove, stash, strategies
 from .compressor import BaseCompressor, Composed, Compressor
 from .measure import ModuleRow, Report, measure
+from .optrack import as_op, engine_active
 from .packed import Packed
 from .plan import Rewriter, Swapped
 from .policy import Policy, Rule
 from .registry import AS_IS, REGISTRY, Registry, Strategy, register_strategy
-from .site import Site
+from .site import OpCall, Site
 
 __all__ = [
     "AS_IS",
@@ -28,6 +29,7 @@ __all__ = [
     "Compressor",
     "Handle",
     "ModuleRow",
+    "OpCall",
     "Packed",
     "Policy",
     "Registry",
@@ -39,6 +41,8 @@ __all__ = [
     "Strategy",
     "__version__",
     "apply",
+    "as_op",
+    "engine_active",
     "errors",
     "handle_of",
     "measure",

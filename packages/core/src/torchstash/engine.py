@@ -9,6 +9,7 @@ asks the policy for a compressor, and counts raw and stored bytes per module.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 import weakref
@@ -36,9 +37,9 @@ from .derive import (
 )
 from .errors import CompressionError, KernelUnavailable
 from .optrack import STATE as OP_STATE
-from .optrack import OpTracker, on_result, role_of, watching
+from .optrack import OpTracker, on_result, role_of, wait_for, watching
 from .packed import Packed, StorageLedger, raw_nbytes, storage_base
-from .site import Site
+from .site import NO_CALL, OpCall, Site
 
 Resolver = Callable[[Site, frozenset[str]], "Compressor | None"]
 #: a recipe's operands: each entry (held weakly) and the shape its op saved it in
@@ -218,7 +219,8 @@ class _Entry:
         self.value = value
         self.compressor = compressor
         self.variant = variant
-        self.site = site
+        #: kept without its op call: the call's arguments must not outlive the call
+        self.site = site if site.opcall is NO_CALL else dataclasses.replace(site, opcall=NO_CALL)
         self.version = version
         self.source: Callable[[], torch.Tensor | None] = (
             weakref.ref(source) if source is not None else lambda: None
@@ -434,6 +436,7 @@ class Engine:
             ordinal=ordinal,
             call=frame.call if frame else 0,
             training=bool(getattr(frame.owner, "training", True)) if frame else True,
+            opcall=_op_call() if op else NO_CALL,
         )
 
     def skip_module_state(self, module: torch.nn.Module) -> None:
@@ -857,9 +860,6 @@ class Engine:
         """The compressor that will take ``t``, or None and why not."""
         if nbytes < self.min_bytes:
             return None, f"smaller than min_bytes={self.min_bytes}"
-        codec = OP_STATE.codec  # the op's own code for what it saves (optrack.as_op)
-        if codec is not None and not codec.unsupported(t, site):
-            return codec, ""
         compressor = self.resolve(site, self._types(site))
         if compressor is None:
             return None, ""
@@ -1119,6 +1119,12 @@ def _variant(compressor: Compressor | None, t: torch.Tensor, site: Site) -> str:
     shared between saves of one tensor only when this agrees."""
     variant = getattr(compressor, "variant", None)
     return variant(t, site) if variant is not None else ""
+
+
+def _op_call() -> OpCall:
+    """The running op's call, for the site of what it saves."""
+    state = OP_STATE
+    return OpCall(tuple(state.args), state.kwargs, functools.partial(wait_for, state.call_id))
 
 
 def _leave_tracker() -> None:

@@ -153,8 +153,6 @@ class OpState(threading.local):
         self.func: Callable[..., Any] | None = None
         self.args: Sequence[Any] = ()
         self.kwargs: dict[str, Any] = {}
-        #: a codec the running op asks for its own saves (see :func:`as_op`)
-        self.codec: Any = None
         self.depth = 0  # trackers active on this thread
         self.call_id = 0  # increments at every tracked call
         #: (call id, callback) pairs waiting for that call's result; see :func:`on_result`
@@ -180,9 +178,9 @@ class OpTracker(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         state = STATE
         kwargs = kwargs or {}
-        prev = (state.op, state.raw, state.func, state.args, state.kwargs, state.codec)
+        prev = (state.op, state.raw, state.func, state.args, state.kwargs)
         state.op, state.raw = op_names(func)
-        state.func, state.args, state.kwargs, state.codec = func, args, kwargs, None
+        state.func, state.args, state.kwargs = func, args, kwargs
         state.call_id += 1
         call_id = state.call_id
         inner = opened(func) if func in OPENED_COMPOSITES else None
@@ -193,7 +191,7 @@ class OpTracker(TorchFunctionMode):
             else:
                 result = func(*args, **kwargs)
         finally:
-            state.op, state.raw, state.func, state.args, state.kwargs, state.codec = prev
+            state.op, state.raw, state.func, state.args, state.kwargs = prev
         if state.waiting:
             _deliver(state, call_id, result)
         if state.watchers:
@@ -213,6 +211,14 @@ def on_result(callback: Callable[[Any], None]) -> None:
     state = STATE
     if state.op:
         state.waiting.append((state.call_id, callback))
+
+
+def wait_for(call_id: int, callback: Callable[[Any], None]) -> None:
+    """:func:`on_result` for the call ``call_id`` (an :class:`~torchstash.site.OpCall`'s):
+    dropped unless that call is the one running."""
+    state = STATE
+    if state.op and state.call_id == call_id:
+        state.waiting.append((call_id, callback))
 
 
 @contextlib.contextmanager
@@ -243,27 +249,25 @@ def as_op(
     kwargs: dict[str, Any] | None = None,
     *,
     func: str | None = None,
-    codec: Any = None,
 ) -> Iterator[None]:
     """Name the op running inside the block, for what a custom ``autograd.Function`` saves.
 
     The tracker sees torch calls, not a Function's ``apply``; a plug-in's Function (memsave's
     conv) wraps its ``apply`` in ``as_op("conv", (x, weight, bias))`` so its saves get the
     site a stock conv's would (op, role), and a policy can still select and compress them.
-    ``func`` is the raw name sites report (default ``op``). ``codec`` is a compressor the op
-    asks for its own saves (memsave's ReLU: a 1-bit mask of the output it saves): the engine
-    uses it before the policy's, and like any engine code it yields to the same tensor saved
-    as is by a later op, so the op never holds more than stock.
+    ``func`` is the raw name sites report (default ``op``); a plug-in's own op is named
+    ``<prefix>.<name>`` (``memsave.relu``), and may have a code of its own for what it saves,
+    registered as a policy default (:meth:`~torchstash.registry.Registry.register_op_default`).
     """
     state = STATE
-    prev = (state.op, state.raw, state.func, state.args, state.kwargs, state.codec)
+    prev = (state.op, state.raw, state.func, state.args, state.kwargs)
     state.op, state.raw, state.func = op, func or op, None
-    state.args, state.kwargs, state.codec = args, kwargs or {}, codec
+    state.args, state.kwargs = args, kwargs or {}
     state.call_id += 1
     try:
         yield
     finally:
-        state.op, state.raw, state.func, state.args, state.kwargs, state.codec = prev
+        state.op, state.raw, state.func, state.args, state.kwargs = prev
 
 
 def engine_active() -> bool:

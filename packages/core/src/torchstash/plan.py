@@ -102,13 +102,38 @@ class Plan:
             except (RegistryError, OptionError) as e:
                 raise type(e)(f"{rule.source}: {e}") from e
         self._index = {id(r): i for i, r in enumerate(policy.rules)}
+        self._registry = registry or REGISTRY
+        #: plug-in ops' own codes (:class:`~torchstash.registry.OpDefault`), built once each
+        self._defaults: dict[str, Compressor | None] = {}
 
     def built_for(self, rule: Rule) -> Built:
         return self.built[self._index[id(rule)]]
 
     def compressor(self, site: Site, type_names: frozenset[str]) -> Compressor | None:
+        """The last matching rule's compressor; for a plug-in op with a default code, that
+        code, unless the matching rule names the op itself."""
         rule = self.policy.resolve(site, type_names)
+        if "." in site.func and (rule is None or rule.op != site.func):
+            default = self.op_default(site.func)
+            if default is not None:
+                return default
         return None if rule is None else self.built_for(rule).compressor
+
+    def op_default(self, func: str) -> Compressor | None:
+        """The compressor plug-in op ``func`` asks for its saves, or None."""
+        try:
+            return self._defaults[func]
+        except KeyError:
+            pass
+        found = self._registry.op_default(func)
+        built = found.factory() if found is not None else None
+        if built is not None and not isinstance(built, Compressor):
+            raise RegistryError(
+                f"the default of op {func!r} ({found.distribution if found else '?'}) built "
+                f"{built!r}, which is not a compressor"
+            )
+        self._defaults[func] = built
+        return built
 
     def rewriters(self, site: Site, type_names: frozenset[str]) -> tuple[Rewriter, ...]:
         """Rewriters for a module: the last rule that can select a module decides."""

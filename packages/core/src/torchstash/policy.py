@@ -8,7 +8,8 @@ Selectors:
   ``type``   module type tag (``linear``, ``conv``, ``gelu``, ``bn``, ``fc``...) or class name
   ``index``  with ``type``: index (or list of indices) among the model's modules of that type
   ``module`` glob on the module's qualified name (``blocks.*.mlp``)
-  ``op``     op that saved the tensor (``linear``, ``matmul``, ``softmax``, ``gelu``...)
+  ``op``     op that saved the tensor (``linear``, ``matmul``, ``softmax``, ``gelu``...), or a
+             plug-in's own op (``memsave.relu``): a rule naming one overrides its default code
   ``op_index`` with ``op``: the op's occurrence index in one forward
   ``role``   the tensor's role in that op (``input``, ``arg1``, ``arg2``..., ``output``; a glob)
   ``tag``    a ``type`` or an ``op`` (Mesa's tags cover modules and functional ops alike)
@@ -231,7 +232,7 @@ def rule_from_dict(raw: Mapping[str, Any], source: str) -> Rule:
             kw[key] = raw[key]
     if "op" in raw:
         op = raw["op"]
-        if not isinstance(op, str) or not is_known_op(op):
+        if not isinstance(op, str) or not (is_known_op(op) or _plugin_op(op)):
             raise PolicyError(
                 f"{source}: unknown op {op!r}. Use an op name such as "
                 f"linear, matmul, softmax, gelu, layer_norm, conv, scaled_dot_product_attention."
@@ -243,6 +244,13 @@ def rule_from_dict(raw: Mapping[str, Any], source: str) -> Rule:
                 raise PolicyError(f"{source}: {key!r} needs {needs!r} (indices count {needs}s)")
             kw[key] = _indices(raw[key], key, source)
     return Rule(strategy=strategy, options=dict(options), source=source, **kw)
+
+
+def _plugin_op(name: str) -> bool:
+    """A plug-in's own op with a default code (``memsave.relu``), which a rule may override."""
+    from .registry import REGISTRY
+
+    return "." in name and REGISTRY.op_default(name) is not None
 
 
 def _type_name(value: Any, key: str, source: str) -> str:

@@ -101,6 +101,31 @@ class Strategy:
 
 
 @dataclass(frozen=True)
+class OpDefault:
+    """A plug-in op's own code for what it saves (memsave's ReLU: a 1-bit mask of its output).
+
+    The op names itself ``<prefix>.<name>`` in its sites (``Site.func``, set with
+    :func:`torchstash.as_op`), so its plug-in loads when such a save is met. The default is
+    a policy default: it applies under every policy, unless a rule names the op itself
+    (``op = "memsave.relu"``), which then decides (``strategy = "none"`` keeps stock's save).
+    """
+
+    func: str
+    factory: Factory
+    summary: str
+    distribution: str
+    version: str
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "op": self.func,
+            "distribution": self.distribution,
+            "version": self.version,
+            "summary": self.summary,
+        }
+
+
+@dataclass(frozen=True)
 class PluginRecord:
     """What happened when a plug-in's entry point was loaded."""
 
@@ -151,6 +176,7 @@ class Registry:
         self._discover = discover
         self._builtins = builtins
         self._strategies: dict[str, Strategy] = {}
+        self._op_defaults: dict[str, OpDefault] = {}
         self._plugins: dict[str, PluginRecord] = {}
         self._entry_points: dict[str, list[_EntryPoint]] | None = None
         self._loading: list[tuple[str | None, str, str]] = []  # (prefix, distribution, version)
@@ -190,6 +216,54 @@ class Registry:
             strategy = Strategy(name, factory, bool(lossless), summary, dist, version, preset)
             self._strategies[name] = strategy
             return strategy
+
+    def register_op_default(self, func: str, factory: Factory, *, summary: str) -> OpDefault:
+        """Give the plug-in op ``func`` (``prefix.name``) a code of its own (see
+        :class:`OpDefault`); ``factory()`` builds the compressor. Taken twice: an error."""
+        if "." not in func or func.strip() != func or any(c in func for c in " >,"):
+            raise RegistryError(
+                f"invalid op name {func!r}: a plug-in's op is named '<prefix>.<name>'"
+            )
+        if not callable(factory):
+            raise RegistryError(f"op {func!r}: factory must be callable, got {factory!r}")
+        with self._lock:
+            if self._loading:
+                dist, version = self._check_own(func, "register")
+            else:
+                self._ensure_builtins()
+                dist, version = IN_PROCESS, ""
+            existing = self._op_defaults.get(func)
+            if existing is not None:
+                raise DuplicateStrategyError(
+                    f"a default for op {func!r} is offered twice:\n"
+                    f"  by {_who(existing.distribution, existing.version)}\n"
+                    f"  by {_who(dist, version)}\n"
+                    f"Uninstall one of them, or disable one with "
+                    f"{env.DISABLE_PLUGINS}=<entry point or distribution>."
+                )
+            default = OpDefault(func, factory, summary, dist, version)
+            self._op_defaults[func] = default
+            return default
+
+    def unregister_op_default(self, func: str) -> None:
+        with self._lock:
+            if self._loading:
+                self._check_own(func, "unregister")
+            self._op_defaults.pop(func, None)
+
+    def op_default(self, func: str) -> OpDefault | None:
+        """The default code of plug-in op ``func``, loading the plug-in owning its prefix."""
+        if "." not in func:
+            return None
+        with self._lock:
+            self._ensure_builtins()
+            self._load_prefix(_prefix(func))
+            return self._op_defaults.get(func)
+
+    def op_defaults(self) -> list[OpDefault]:
+        """Every op default, after loading every plug-in (``torchstash list`` shows them)."""
+        self.load_all()
+        return [self._op_defaults[f] for f in sorted(self._op_defaults)]
 
     def unregister(self, name: str) -> None:
         with self._lock:
@@ -325,6 +399,8 @@ class Registry:
         for name in set(self._strategies) - before:
             if _prefix(name) == prefix:
                 del self._strategies[name]
+        for func in [f for f in self._op_defaults if _prefix(f) == prefix]:
+            del self._op_defaults[func]
 
     @contextlib.contextmanager
     def _providing(self, prefix: str | None, dist: str, version: str) -> Iterator[None]:

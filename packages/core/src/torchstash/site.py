@@ -1,8 +1,76 @@
-"""Where a tensor is saved: the module, the op, and the tensor's role in that op."""
+"""Where a tensor is saved: the module, the op, the call's arguments, and the tensor's role."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+_NO_KWARGS: Mapping[str, Any] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class OpCall:
+    """The torch call saving a tensor, as a strategy may read it while that call runs.
+
+    The engine fills it for every save, so a compressor, a policy or a test reads the op's
+    arguments from the :class:`Site` it is given (a pooling's kernel size, a GELU's
+    ``approximate``, whether a matmul multiplies a Parameter) instead of from global state.
+    It holds the call's arguments, so it lives only while the call does: the engine keeps
+    no site with its call beyond ``compress``.
+    """
+
+    #: the call's positional arguments (tensors, sizes, flags) as the op received them
+    args: tuple[Any, ...] = ()
+    #: its keyword arguments (read-only)
+    kwargs: Mapping[str, Any] = field(default_factory=lambda: _NO_KWARGS)
+    #: tells the engine's tracker to call back with the op's result (see :meth:`on_result`)
+    notify: Callable[[Callable[[Any], None]], None] | None = field(default=None, repr=False)
+
+    def argument(self, name: str, position: int, default: Any = None) -> Any:
+        """An argument by keyword or position: ``call.argument("approximate", 1, "none")``."""
+        if name in self.kwargs:
+            return self.kwargs[name]
+        if len(self.args) > position:
+            return self.args[position]
+        return default
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The call's tensor arguments, in order."""
+        return tuple(a for a in self.args if isinstance(a, torch.Tensor))
+
+    @property
+    def has_parameter(self) -> bool:
+        """True when an argument is a Parameter (a matmul with one is a linear layer)."""
+        return any(isinstance(a, torch.nn.Parameter) for a in self.args)
+
+    def position(self, t: torch.Tensor, among: int = 3) -> int | None:
+        """Which of the first ``among`` arguments ``t`` is exactly (address, shape, strides),
+        or None: a fused attention's ``q``, ``k``, ``v`` split from one projection share a
+        storage, so only this tells them apart."""
+        for i, a in enumerate(self.args[:among]):
+            if (
+                isinstance(a, torch.Tensor)
+                and a.data_ptr() == t.data_ptr()
+                and a.shape == t.shape
+                and a.stride() == t.stride()
+            ):
+                return i
+        return None
+
+    def on_result(self, callback: Callable[[Any], None]) -> None:
+        """Have ``callback(result)`` called when this call returns (a save happens inside the
+        op, before its output exists: to watch the output's gradient, say). Dropped for a
+        call the engine does not track (a site built by hand)."""
+        if self.notify is not None:
+            self.notify(callback)
+
+
+#: The call of a save no op made (or of a site built by hand): no arguments.
+NO_CALL = OpCall()
 
 
 @dataclass(slots=True)
@@ -20,7 +88,8 @@ class Site:
     module_index: int = -1
     #: canonical name of the op that saved the tensor (``linear``, ``matmul``, ``softmax``, ...)
     op: str = ""
-    #: the raw function name (``__matmul__``, ``bmm``, ``conv2d``)
+    #: the raw function name (``__matmul__``, ``bmm``, ``conv2d``; ``memsave.relu`` for a
+    #: plug-in's own op)
     func: str = ""
     #: occurrence index of this op in the current forward
     op_index: int = -1
@@ -33,6 +102,8 @@ class Site:
     #: that module's ``training`` flag (True outside a module): a strategy that changes
     #: gradients on purpose (dropping values) can leave eval-mode passes exact
     training: bool = True
+    #: the op call's arguments, while it runs (:data:`NO_CALL` in the sites the engine keeps)
+    opcall: OpCall = field(default=NO_CALL, compare=False, repr=False)
 
     @property
     def key(self) -> str:

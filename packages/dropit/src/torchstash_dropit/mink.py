@@ -84,7 +84,7 @@ class MinK(BaseCompressor):
             return int(x.shape[feature_dim(x, site or Site())])
         if self.scope == "row":
             return flat.numel() // max(int(flat.shape[-1]), 1)
-        return batch_of_op(x) if x.is_contiguous() else int(flat.shape[0])
+        return batch_of_op(x, site or Site()) if x.is_contiguous() else int(flat.shape[0])
 
     def ordered(self, x: torch.Tensor, site: Site) -> tuple[torch.Tensor, tuple[int, ...] | None]:
         """``x`` in the order its segments are contiguous, and the permutation that undoes

@@ -2,9 +2,9 @@
 
 A linear layer's backward reads its saved input only for the weight's gradient (the input's
 gradient needs the weight), so dropping small entries there leaves the input gradient, and
-every layer below, exact. The core's op tracker names the op: ``linear`` covers ``nn.Linear``
-and its subclasses, ``F.linear`` anywhere (``nn.MultiheadAttention``'s projections) and
-``addmm`` (Hugging Face GPT-2's ``Conv1D``); ``conv`` covers ``Conv1d/2d/3d`` and transposed
+every layer below, exact. The site names the op: ``linear`` covers ``nn.Linear`` and its
+subclasses, ``F.linear`` anywhere (``nn.MultiheadAttention``'s projections) and ``addmm``
+(Hugging Face GPT-2's ``Conv1D``); ``conv`` covers ``Conv1d/2d/3d`` and transposed
 convolutions. The tensor must not be the op's weight (a Parameter never reaches a compressor).
 """
 
@@ -12,23 +12,20 @@ from __future__ import annotations
 
 import torch
 
-from torchstash.optrack import STATE
 from torchstash.site import Site
 
 #: Canonical op names whose saved activation is read only for the weight gradient.
 LINEAR_TYPE_OPS = frozenset({"linear", "conv"})
 
 
-def _operand_index() -> tuple[int, int]:
-    """Positions of the (input, weight) arguments of the running linear-type op."""
-    return (1, 2) if STATE.raw == "addmm" else (0, 1)
+def _operand_index(site: Site) -> tuple[int, int]:
+    """Positions of the (input, weight) arguments of the linear-type op at ``site``."""
+    return (1, 2) if site.func == "addmm" else (0, 1)
 
 
-def weight_of_op() -> torch.Tensor | None:
-    """The weight operand of the running linear-type op (``addmm``'s is its third)."""
-    index = _operand_index()[1]
-    args = STATE.args
-    weight = args[index] if len(args) > index else STATE.kwargs.get("weight")
+def weight_of_op(site: Site) -> torch.Tensor | None:
+    """The weight operand of the linear-type op at ``site`` (``addmm``'s is its third)."""
+    weight = site.opcall.argument("weight", _operand_index(site)[1])
     return weight if isinstance(weight, torch.Tensor) else None
 
 
@@ -41,10 +38,10 @@ def why_not_linear_input(x: torch.Tensor, site: Site) -> str | None:
     if site.op not in LINEAR_TYPE_OPS:
         what = site.op or "no op"
         return f"saved by {what}, not by a linear or conv (only their inputs may drop values)"
-    if not STATE.raw:  # called outside the op tracker (directly, in a test): trust the site
+    if not site.opcall.args:  # a site built by hand (a unit test's): trust its role
         return None
-    inputs, weights = _operand_index()
-    weight = weight_of_op()
+    inputs, weights = _operand_index(site)
+    weight = weight_of_op(site)
     if weight is None or not weight.requires_grad:
         return f"this {site.op} has no trainable weight, so its input is not for a weight gradient"
     if site.role == _role(inputs):
@@ -61,11 +58,10 @@ def why_not_linear_input(x: torch.Tensor, site: Site) -> str | None:
     return None
 
 
-def batch_of_op(x: torch.Tensor) -> int:
+def batch_of_op(x: torch.Tensor, site: Site) -> int:
     """The first dimension of the op's input before it was flattened (``F.linear`` on a
     (B, N, C) tensor saves a (B*N, C) view): the sample count, where it divides ``x``."""
-    args = STATE.args
-    index = 1 if STATE.raw == "addmm" else 0
+    args, index = site.opcall.args, _operand_index(site)[0]
     first = args[index] if len(args) > index else None
     if isinstance(first, torch.Tensor) and first.dim() >= 1 and first.numel() == x.numel():
         b = int(first.shape[0])

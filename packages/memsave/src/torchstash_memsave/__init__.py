@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from ._version import __version__
 from .compat import convert_to_memory_saving
+from .functional.act import RELU_MASK, RELU_OP
 from .modules import (
     MemSave,
     MemSaveAdaptiveAvgPool1d,
@@ -97,4 +98,9 @@ def register(registry: Registry) -> None:
         memsave,
         lossless=True,
         summary="layers that save only what this step's gradients need (exact)",
+    )
+    registry.register_op_default(
+        RELU_OP,
+        lambda: RELU_MASK,
+        summary="memsave's ReLU under the engine: a 1-bit mask of its output (exact)",
     )

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from torchstash.optrack import as_op
+from torchstash import as_op
 
 from . import functional as MF
 

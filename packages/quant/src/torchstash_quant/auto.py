@@ -41,7 +41,6 @@ import torch
 
 from torchstash.compressor import BaseCompressor
 from torchstash.errors import OptionError
-from torchstash.optrack import STATE, on_result
 from torchstash.packed import Packed
 from torchstash.site import Site
 
@@ -136,11 +135,9 @@ def site_kind(x: torch.Tensor, site: Site) -> tuple[str, int]:
     """(kind of path, contraction length) of the tensor ``x`` saved at ``site``."""
     op = site.op
     if op in CONTRACTION_OPS and x.dim() >= 1:
-        weighted = op != "matmul" or any(
-            isinstance(a, torch.nn.Parameter) for a in STATE.args if isinstance(a, torch.Tensor)
-        )
+        weighted = op != "matmul" or site.opcall.has_parameter
         if op == "conv":
-            weights = [a for a in STATE.args[1:2] if isinstance(a, torch.Tensor)]
+            weights = [a for a in site.opcall.args[1:2] if isinstance(a, torch.Tensor)]
             k = int(weights[0][0].numel()) if weights else int(x.shape[1] if x.dim() > 1 else 1)
         elif site.role == "arg1" and x.dim() >= 2:
             k = int(x.shape[-2])  # the right operand: contracted over its rows
@@ -273,7 +270,7 @@ class AutoQuantizer(BaseCompressor):
         stats.unit_var = step.float().clamp_min(0).square().mean() * (levels * levels / 6)
         stats.variance = _variance(x)
         self.stats[site.key] = stats
-        self._watch(stats)
+        self._watch(stats, site)
 
     def fixed_width(self, x: torch.Tensor, site: Site, bits: int) -> None:
         """A save coded at ``bits`` by another codec beside this one (attention's ``q`` and
@@ -294,17 +291,17 @@ class AutoQuantizer(BaseCompressor):
         stats = SiteStats(x.numel(), kind, contraction, sources=tuple(s.key for s in sources))
         stats.variance = _variance(x)
         self.recomputed[site.key] = stats
-        self._watch(stats)
+        self._watch(stats, site)
 
-    def _watch(self, stats: SiteStats) -> None:
-        """Sum ``|G|^2`` of the running op's output into ``stats`` in the backward."""
+    def _watch(self, stats: SiteStats, site: Site) -> None:
+        """Sum ``|G|^2`` of the op's output into ``stats`` in the backward."""
 
         def watch(result: object) -> None:
             out = result[0] if isinstance(result, (tuple, list)) and result else result
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 out.register_hook(lambda g: self._grad(stats, g))
 
-        on_result(watch)
+        site.opcall.on_result(watch)
 
     @staticmethod
     def _grad(stats: SiteStats, g: torch.Tensor) -> None:

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 
 from torchstash.kernels import pack_bits, philox_uniform, unpack_bits
-from torchstash.optrack import op_argument
 from torchstash.packed import Packed
 from torchstash.seeds import SeedStream
 from torchstash.site import Site
@@ -151,11 +150,11 @@ def table(
     return hit
 
 
-def current_approximate(op: str) -> str:
-    """The GELU variant the running op was called with (``"none"`` or ``"tanh"``)."""
-    if op != "gelu":
+def current_approximate(site: Site) -> str:
+    """The GELU variant the op at ``site`` was called with (``"none"`` or ``"tanh"``)."""
+    if site.op != "gelu":
         return "none"
-    return str(op_argument("approximate", 1, "none"))
+    return str(site.opcall.argument("approximate", 1, "none"))
 
 
 def pack_derivative(
@@ -202,7 +201,7 @@ class DerivCoder:
 
     def pack(self, x: torch.Tensor, site: Site) -> Packed:
         seed = self.seeds.next() if self.stochastic else None
-        return pack_derivative(x, site.op, self.bits, current_approximate(site.op), seed)
+        return pack_derivative(x, site.op, self.bits, current_approximate(site), seed)
 
     def unpack(self, packed: Packed) -> torch.Tensor:
         return unpack_derivative(packed)

@@ -32,8 +32,6 @@ from dataclasses import replace
 import torch
 
 from torchstash.compressor import BaseCompressor, Compressor
-from torchstash.derive import attention_operand
-from torchstash.optrack import STATE
 from torchstash.packed import Packed
 from torchstash.site import Site
 
@@ -134,11 +132,11 @@ def attention_part(x: torch.Tensor, site: Site) -> str:
             return ""
         return "values" if site.func == "log_softmax" else "map"
     if site.op == SDPA:  # q, k: its map is recomputed from them; v
-        position = attention_operand(x, STATE.args)
+        position = site.opcall.position(x)
         return "" if position is None else ("scores", "scores", "values")[position]
-    if site.op != "matmul" or any(isinstance(a, torch.nn.Parameter) for a in STATE.args):
+    if site.op != "matmul" or site.opcall.has_parameter:
         return ""
-    return "values" if any(from_softmax(a) for a in STATE.args) else "scores"
+    return "values" if any(from_softmax(a) for a in site.opcall.args) else "scores"
 
 
 class OpAware(BaseCompressor):
@@ -284,7 +282,7 @@ class OpAware(BaseCompressor):
         if kind == "dropmask":
             return pack_scaled_mask(x)
         if kind == "pool":
-            geometry = pool_geometry(STATE.args, STATE.kwargs)
+            geometry = pool_geometry(site.opcall.args, dict(site.opcall.kwargs))
             packed = None if geometry is None else pack_pool_positions(x, geometry)
             return x if packed is None else packed
         if kind == "deriv":

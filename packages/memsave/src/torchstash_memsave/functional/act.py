@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from torchstash import as_op, engine_active
 from torchstash.compressor import BaseCompressor
-from torchstash.optrack import as_op, engine_active
 from torchstash.packed import Packed
 from torchstash.site import Site
 
@@ -159,8 +159,9 @@ def _apply(x: torch.Tensor, kind: str, a: float, b: float, inplace: bool) -> tor
 class ReLUMaskCodec(BaseCompressor):
     """The engine's code for a ReLU output: 1 bit per element, decoded as 1.0 (kept) or 0.0.
 
-    Under torchstash's engine the ReLU saves its float output and asks for this code
-    (``optrack.as_op(codec=...)``) instead of packing the bits itself: when the next layer
+    Under torchstash's engine the ReLU saves its float output as op ``memsave.relu``, whose
+    default code this is (registered by the plug-in, overridable by a policy rule naming
+    that op), instead of packing the bits itself: when the next layer
     saves the same tensor as it is (a conv whose weight trains), the engine drops the code and
     both read that one tensor, so the ReLU costs nothing beside it and never more than stock.
     ``threshold_backward(g, t, 0)`` gives the same bits for the output and for the decoded
@@ -189,6 +190,8 @@ class ReLUMaskCodec(BaseCompressor):
 
 
 RELU_MASK = ReLUMaskCodec()
+#: the name memsave's ReLU gives its saves under the engine; its default code is ``RELU_MASK``
+RELU_OP = "memsave.relu"
 
 
 class EngineCodedReLUFunction(torch.autograd.Function):
@@ -220,7 +223,7 @@ def relu(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     if engine_active():
         if inplace:
             check_inplace(input)
-        with as_op("relu", (input,), func="memsave.relu", codec=RELU_MASK):
+        with as_op("relu", (input,), func=RELU_OP):
             out: torch.Tensor = EngineCodedReLUFunction.apply(input, inplace)
         return out
     return _apply(input, "relu", 0.0, 0.0, inplace)
