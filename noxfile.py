@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import nox
 
@@ -20,8 +21,14 @@ nox.options.sessions = ["lint", "typecheck", "tests", "integration", "ecosystem"
 TORCH = os.environ.get("TORCHSTASH_TORCH", "torch==2.13.0")
 # torchvision pins torch exactly: the release built for TORCH, so pip keeps the wheel it has.
 TORCHVISION = os.environ.get("TORCHSTASH_TORCHVISION", "torchvision==0.28.0")
-PLUGINS = ["quant", "dropit", "memsave"]
-TEST_DEPS = ["pytest>=8", "numpy", "hypothesis>=6"]
+#: every package under packages/ but the core: a new plug-in is linted, typed and tested the
+#: day its folder (with a pyproject.toml) exists
+PLUGINS = sorted(
+    p.name
+    for p in Path(__file__).parent.joinpath("packages").iterdir()
+    if p.name != "core" and (p / "pyproject.toml").is_file()
+)
+TEST_DEPS = ["pytest>=8", "numpy", "hypothesis>=6", "import-linter>=2.1"]
 SRC_DIRS = ["packages/core/src", *(f"packages/{p}/src" for p in PLUGINS)]
 
 
@@ -40,9 +47,13 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff>=0.6")
+    """ruff, and the import contracts in pyproject.toml (plug-ins off the engine's internals,
+    the library off its tools, no import loops): import-linter reads the installed sources."""
+    session.install("ruff>=0.6", "import-linter>=2.1")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.install("--no-deps", *(f"./packages/{p}" for p in ["core", *PLUGINS]))
+    session.run("lint-imports", "--no-cache")
 
 
 @nox.session

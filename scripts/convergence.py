@@ -54,7 +54,7 @@ from rich.table import Table
 from torch import Tensor, nn
 
 import torchstash
-from torchstash.bench import (
+from torchstash.bench.common import (
     cpu_threads,
     default_device,
     error_text,
@@ -63,7 +63,7 @@ from torchstash.bench import (
     num_threads,
     split_names,
 )
-from torchstash.demo import VOCAB, load_corpus, windows
+from torchstash.bench.demo import VOCAB, load_corpus, windows
 from torchstash.policy import parse_spec
 
 STOCK = "stock"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torchstash as ts
-from torchstash.zoo import zoo
+from torchstash.bench.zoo import zoo
 
 STRATEGIES = ts.REGISTRY.names()
 MODELS = {e.name: e for e in zoo("tiny")}

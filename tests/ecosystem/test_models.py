@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import torchstash as ts
-from torchstash.bench import lossless_of
+from torchstash.bench.common import lossless_of
 from torchstash.engine import CONSTANT_REASON
 from torchstash.errors import ApplyError
 

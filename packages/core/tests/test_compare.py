@@ -18,11 +18,11 @@ import torch
 from rich.console import Console
 
 import torchstash
-from torchstash import bench, compare
-from torchstash.compare import CHECKPOINT, COMPILE, SAC, SAVE_ON_CPU
-from torchstash.demo import DemoConfig
+from torchstash.bench import commands, common, compare
+from torchstash.bench.compare import CHECKPOINT, COMPILE, SAC, SAVE_ON_CPU
+from torchstash.bench.demo import DemoConfig
+from torchstash.bench.zoo import zoo
 from torchstash.testing.toys import HalfCompressor
-from torchstash.zoo import zoo
 
 HALF, CRASH = "comparetest.half", "comparetest.crash"
 EXACT = (CHECKPOINT, SAC, SAVE_ON_CPU)
@@ -55,8 +55,8 @@ def crash(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 @pytest.fixture(autouse=True)
 def one_thread() -> Iterator[None]:
     """One thread, as run_compare takes on a 2-core machine: OpenMP threads spanning every
-    core of a busy machine can stall (see bench.cpu_threads)."""
-    with bench.num_threads(1):
+    core of a busy machine can stall (see common.cpu_threads)."""
+    with common.num_threads(1):
         yield
 
 
@@ -265,13 +265,15 @@ def test_plot_is_written(result: compare.CompareResult, tmp_path: Path) -> None:
 
 def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--compare", "--scale", "tiny", "--models", "vit", "--strategies", CHECKPOINT]
-    assert bench.main([*argv, "--repeat", "1", "--demo-steps", "0", "--json", "-"]) == 0
+    assert commands.main([*argv, "--repeat", "1", "--demo-steps", "0", "--json", "-"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [r["method"] for r in data["rows"]] == ["stock", CHECKPOINT]
     assert data["demo"] == [] and data["scale"] == "tiny" and data["repeat"] == 1
     path = tmp_path / "out.json"
     plot = tmp_path / "out.png"
-    assert bench.main([*argv, "--demo-steps", "0", "--json", str(path), "--plot", str(plot)]) == 0
+    assert (
+        commands.main([*argv, "--demo-steps", "0", "--json", str(path), "--plot", str(plot)]) == 0
+    )
     text = capsys.readouterr().out
     assert "torchstash bench --compare" in text
     assert json.loads(path.read_text())["repeat"] == 5
@@ -281,14 +283,14 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     if not plot.exists():
         assert "no plot: pip install torchstash[plot]" in text
     with pytest.raises(SystemExit):
-        bench.main(["--plot", str(plot)])  # --plot belongs to --compare
-    assert bench.main(["--compare", "--models", "gpt,bert", "--demo-steps", "0"]) == 2
+        commands.main(["--plot", str(plot)])  # --plot belongs to --compare
+    assert commands.main(["--compare", "--models", "gpt,bert", "--demo-steps", "0"]) == 2
     assert "unknown models ['bert']" in capsys.readouterr().out
 
 
 def test_importing_compare_loads_no_plugin_and_no_matplotlib() -> None:
     code = (
-        "import sys, torchstash.compare; "
+        "import sys, torchstash.bench.compare; "
         "print([m for m in sys.modules if m.startswith(('torchstash_', 'matplotlib'))])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -16,7 +16,8 @@ import torch
 from rich.console import Console
 
 import torchstash
-from torchstash import bench, demo
+from torchstash.bench import commands, common, demo
+from torchstash.bench import harness as bench
 from torchstash.packed import Packed
 from torchstash.site import Site
 from torchstash.testing.toys import HalfCompressor
@@ -204,7 +205,7 @@ def test_demo_runs_policies_and_strategy_options(toy_names: list[str], tmp_path:
 
 
 def test_bench_rows(bench_rows: list[dict[str, Any]]) -> None:
-    models = [e.name for e in torchstash.zoo.zoo("tiny")]
+    models = [e.name for e in torchstash.bench.zoo.zoo("tiny")]
     assert [(r["model"], r["strategy"]) for r in bench_rows] == [
         (m, s) for m in models for s in ("stock", BROKEN, CRASH, HALF)
     ]
@@ -231,23 +232,23 @@ def test_bench_table_renders(bench_rows: list[dict[str, Any]]) -> None:
 
 def test_bench_json_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--scale", "tiny", "--device", "cpu", "--repeat", "1", "--strategies", "offload.cpu"]
-    assert bench.main([*argv, "--json", "-"]) == 0
+    assert commands.main([*argv, "--json", "-"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["strategy"] for r in rows] == ["stock", "offload.cpu"] * 3
     assert all(r["raw_bytes"] == r["stored_bytes"] for r in rows)  # offload is an identity on CPU
 
 
 def test_cpu_threads() -> None:
-    assert bench.cpu_threads(3) == 3
-    assert 1 <= bench.cpu_threads() <= 4
+    assert common.cpu_threads(3) == 3
+    assert 1 <= common.cpu_threads() <= 4
     with pytest.raises(ValueError):
-        bench.cpu_threads(0)
+        common.cpu_threads(0)
 
 
 def test_bench_strategy_names() -> None:
-    assert bench.split_names(" a, b,,a ") == ["a", "b", "a"]
-    assert "none" not in bench.strategy_names(None)
-    assert "none" in bench.strategy_names(None, keep_none=True)
-    assert "offload.cpu" in bench.strategy_names(None)
-    assert bench.strategy_names(["none", "x", "x"]) == ["x"]
-    assert bench.strategy_names(["none", "x"], keep_none=True) == ["none", "x"]
+    assert common.split_names(" a, b,,a ") == ["a", "b", "a"]
+    assert "none" not in common.strategy_names(None)
+    assert "none" in common.strategy_names(None, keep_none=True)
+    assert "offload.cpu" in common.strategy_names(None)
+    assert common.strategy_names(["none", "x", "x"]) == ["x"]
+    assert common.strategy_names(["none", "x"], keep_none=True) == ["none", "x"]

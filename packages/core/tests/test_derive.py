@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchstash as ts
+from torchstash.bench.zoo import SelfAttention
 from torchstash.derive import matmul_order, recipe
 from torchstash.site import Site
 from torchstash.testing.toys import DerivableClone
-from torchstash.zoo import SelfAttention
 
 pytestmark = pytest.mark.usefixtures("toy_strategies")
 

@@ -1,4 +1,4 @@
-"""Policies: TOML and Mesa's text format, last match wins, errors that name the rule and line."""
+"""Policies: TOML (Mesa's text format is the quant plug-in's), last match wins, errors that name the rule and line."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 import torchstash as ts
+from torchstash.bench.zoo import zoo
 from torchstash.errors import OptionError, PolicyError, UnknownStrategyError
-from torchstash.policy import Policy, Rule
+from torchstash.policy import Policy
 from torchstash.site import Site
 from torchstash.tomlheaders import header_lines
-from torchstash.zoo import zoo
 
 GPT = next(e for e in zoo("tiny") if e.name == "gpt")
 
@@ -127,66 +127,6 @@ def test_unknown_type_tag_names_the_rule() -> None:
     ts.apply(GPT.build(), policy=[{"type": "SelfAttention"}, {"type": "conv"}]).remove()
 
 
-MESA = """
-on gelu:   # every GELU but the second
-    by_index: all
-    enable: True
-    level: 256
-    ema_decay: 0.9
-    by_index: 1
-    enable: False
-on softmax:
-    by_index: 0
-    enable: True
-on fc:
-    by_index: all
-    enable: False
-"""
-
-
-def test_mesa_format() -> None:
-    rules = Policy.from_mesa(MESA, "policy.txt").rules
-    assert rules[0] == Rule(
-        strategy="quant.mesa",
-        options={"bits": 8, "ema_decay": 0.9},
-        type="gelu",
-        index=None,
-        source="rule from policy.txt, line 3",
-    )
-    assert (rules[1].type, rules[1].index, rules[1].strategy) == ("gelu", frozenset({1}), "none")
-    assert (rules[2].op, rules[2].op_index, rules[2].strategy) == (
-        "softmax",
-        frozenset({0}),
-        "quant.mesa",
-    )
-    assert (rules[3].type, rules[3].strategy) == ("linear", "none")  # fc is Mesa's Linear
-
-
-def test_mesa_format_with_another_strategy(toy_strategies: list[str]) -> None:
-    text = "on gelu:\n  by_index: all\n  enable: True\n"
-    policy = Policy.from_mesa(text, "p.txt", strategy="test.half")
-    seen = compressed_sites(GPT.build(), policy)
-    assert seen["blocks.0.mlp.1"] == {"gelu"} and not seen["blocks.0.attn.qkv"]
-
-
-@pytest.mark.parametrize(
-    ("text", "message"),
-    [
-        ("on gleu:\n  by_index: all\n", r"line 1: unknown layer tag 'gleu'"),
-        ("by_index: all\n", r"line 1: 'by_index' before any 'on <tag>:'"),
-        ("on gelu:\n  enable: True\n", r"line 2: 'enable' must follow a 'by_index:'"),
-        ("on gelu:\n  by_index: one\n", r"line 2: by_index takes"),
-        ("on gelu:\n  by_index: all\n  level: 100\n", r"line 3: level must be a power of two"),
-        ("on gelu:\n  by_index: all\n  ema_decay: 1.5\n", r"line 3: ema_decay"),
-        ("on gelu:\n  by_index: all\n  speed: fast\n", r"line 3: unknown key 'speed'"),
-        ("on gelu:\n  by_index: all\n  enable: maybe\n", r"line 3: enable takes True or False"),
-    ],
-)
-def test_mesa_errors_name_the_line(text: str, message: str) -> None:
-    with pytest.raises(PolicyError, match=message):
-        Policy.from_mesa(text, "m.txt")
-
-
 def test_parse_spec_reads_options_as_literals() -> None:
     from torchstash.policy import parse_spec
 
@@ -220,7 +160,7 @@ def test_known_roles_and_globs(role: str) -> None:
 
 
 def test_non_utf8_policy_file_names_the_file(tmp_path: Path) -> None:
-    for name in ("latin1.toml", "latin1.txt"):
+    for name in ("latin1.toml", "latin1.txt"):  # .txt: read as the fallback format's text
         f = tmp_path / name
         f.write_bytes(b'[[rule]]\n# caf\xe9\nstrategy = "none"\n')
         with pytest.raises(

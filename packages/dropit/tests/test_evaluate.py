@@ -1,4 +1,4 @@
-"""``python -m torchstash_dropit.evaluate``: the README's figures come from working code."""
+"""``python -m torchstash.bench.dropit``: the README's figures come from working code."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchstash_dropit import evaluate
+from torchstash.bench import dropit as evaluate
 
 
 def test_relative_errors_per_group() -> None:

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 import torchstash as ts
+from torchstash.bench.memsave import PATTERNS, evaluate_one
+from torchstash.bench.zoo import zoo
 from torchstash.errors import ApplyError, OptionError
-from torchstash.zoo import zoo
 from torchstash_memsave import (
     MemSave,
     MemSaveBatchNorm2d,
@@ -22,7 +23,6 @@ from torchstash_memsave import (
     MemSaveReLU,
     convert_to_memory_saving,
 )
-from torchstash_memsave.evaluate import PATTERNS, evaluate_one
 
 ZOO = {e.name: e for e in zoo("tiny")}
 
@@ -243,7 +243,7 @@ def test_bench_and_demo_count_against_stocks_bytes() -> None:
     """A rewriting strategy changes what the model saves: its ratio is against stock's."""
     from rich.console import Console
 
-    from torchstash.bench import run_bench
+    from torchstash.bench.harness import run_bench
 
     rows = run_bench("tiny", ["memsave"], "cpu", repeat=1, console=Console(quiet=True))
     resnet = {r["strategy"]: r for r in rows if r["model"] == "resnet"}
@@ -314,7 +314,7 @@ def test_each_layer_as_a_module_matches_stock(name: str, training: bool) -> None
 def test_demo_reports_rewrites_that_saved_nothing(tmp_path: Any) -> None:
     from rich.console import Console
 
-    from torchstash import demo
+    from torchstash.bench import demo
 
     console = Console(record=True, width=120, file=io.StringIO())
     result = demo.run_demo(

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import torchstash as ts
+from torchstash.bench.zoo import zoo
 from torchstash.engine import Engine
 from torchstash.errors import OptionError
-from torchstash.zoo import zoo
 from torchstash_quant.auto import AutoQuantizer, Need, allocate
 from torchstash_quant.strategies import auto, quant
 

@@ -8,8 +8,8 @@ from torch import nn
 
 import torchstash as ts
 import torchstash_quant.gact as gact
+from torchstash.bench.zoo import zoo
 from torchstash.errors import OptionError
-from torchstash.zoo import zoo
 
 GPT = next(e for e in zoo("tiny") if e.name == "gpt")
 
@@ -32,7 +32,7 @@ def test_levels_are_registered_presets() -> None:
 
 
 def test_presets_are_not_rerun_by_the_demo_and_bench() -> None:
-    from torchstash.bench import strategy_names
+    from torchstash.bench.common import strategy_names
 
     by_name = {s["name"]: s for s in ts.strategies()}
     assert by_name["quant.L3"]["preset"] and by_name["quant"]["preset"]
@@ -52,7 +52,7 @@ def test_level_1_takes_only_linear_and_conv_inputs() -> None:
 
 
 def test_unknown_level_is_an_error() -> None:
-    from torchstash_quant.levels import level
+    from torchstash_quant.strategies import level
 
     with pytest.raises(OptionError, match="L6"):
         level("L6")

@@ -9,10 +9,10 @@ from torch.nn import functional as F
 
 import torchstash as ts
 from torchstash import Site
+from torchstash.bench.quant import evaluate_one
+from torchstash.bench.zoo import zoo
 from torchstash.errors import OptionError
-from torchstash.zoo import zoo
 from torchstash_quant import GroupQuantizer, MesaQuantizer
-from torchstash_quant.evaluate import evaluate_one
 
 ZOO = {e.name: e for e in zoo("tiny")}
 
@@ -254,7 +254,7 @@ def _attention_rows(model: nn.Module, **options: object) -> tuple[dict[str, int]
 
 
 def test_attn_bits_widens_attention_only() -> None:
-    from torchstash.zoo import GPT
+    from torchstash.bench.zoo import GPT
 
     torch.manual_seed(0)
     model = GPT(dim=64, layers=1, ctx=16)
@@ -269,7 +269,7 @@ def test_attn_bits_widens_attention_only() -> None:
 
 
 def test_attn_bits_brings_gradients_closer() -> None:
-    from torchstash.zoo import GPT
+    from torchstash.bench.zoo import GPT
 
     torch.manual_seed(0)
     model = GPT(dim=64, layers=1, ctx=16)
@@ -296,7 +296,7 @@ def test_int2_defaults_recompute_norm_and_gelu_outputs() -> None:
     inputs (values at 2 bits) for fc2's; ``v`` at 4 bits, the map recomputed from ``q`` and
     ``k``. A BatchNorm's input, whose
     output no op recomputes, keeps 2 bits."""
-    from torchstash.zoo import GPT
+    from torchstash.bench.zoo import GPT
 
     torch.manual_seed(0)
     model = GPT(dim=64, layers=1, ctx=16)

@@ -149,7 +149,9 @@ def apply(
         from .budget import plan_budget
 
         _refuse_applied(model)
-        chosen = plan_budget(model, budget_mb, example, candidates=candidates, min_bytes=min_bytes)
+        chosen = plan_budget(
+            model, budget_mb, example, apply=apply, candidates=candidates, min_bytes=min_bytes
+        )
         handle = apply(model, policy=chosen.rules, min_bytes=min_bytes)
         handle.budget = chosen
         return handle

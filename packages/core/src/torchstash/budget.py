@@ -27,10 +27,10 @@ from .registry import REGISTRY
 
 MB = 1024 * 1024
 _ATTEMPTS = 6  # whole-model re-measurements while the shared tensors are accounted
-#: tried in this order when ``candidates`` is not given; those not installed are left out
-DEFAULT_CANDIDATES = ("memsave", "quant.int8", "quant.int4", "quant.int2")
 
 Example: TypeAlias = Callable[[nn.Module], torch.Tensor] | tuple[Any, ...] | torch.Tensor
+#: :func:`torchstash.apply`'s shape: ``apply(model, policy=rules, min_bytes=n)`` -> a handle
+Apply: TypeAlias = Callable[..., Any]
 
 
 @dataclass(frozen=True)
@@ -146,10 +146,9 @@ def _measure(
     rules: list[dict[str, Any]],
     seed: int,
     min_bytes: int,
+    apply: Apply,
 ) -> tuple[list[torch.Tensor], dict[str, tuple[int, int]]]:
     """Gradients and per-module (raw, stored) bytes of one step under ``rules``."""
-    from .api import apply
-
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     handle = apply(model, policy=rules, min_bytes=min_bytes)
     try:
@@ -165,11 +164,11 @@ def _measure(
 
 def _candidates(requested: Sequence[str] | None) -> list[str]:
     if requested is None:
-        names = [n for n in DEFAULT_CANDIDATES if n in REGISTRY.names()]
+        names = [s.name for s in REGISTRY.candidates()]
         if not names:
             raise ApplyError(
-                "budget_mb: none of the default candidates "
-                f"({', '.join(DEFAULT_CANDIDATES)}) is installed; install torchstash-quant or "
+                "budget_mb: no installed plug-in offers a budget candidate (a strategy "
+                "registered with candidate=True); install torchstash-quant or "
                 "torchstash-memsave, or pass candidates=[...]"
             )
         return names
@@ -234,11 +233,13 @@ def plan_budget(
     budget_mb: float,
     example: Example,
     *,
+    apply: Apply,
     candidates: Sequence[str] | None = None,
     seed: int = 0,
     min_bytes: int | None = None,
 ) -> BudgetPlan:
-    """Measure and choose; the model is left as it was (see the module docstring)."""
+    """Measure and choose; the model is left as it was (see the module docstring).
+    ``apply`` is :func:`torchstash.apply`, which calls this (passed in: no import loop)."""
     from .engine import DEFAULT_MIN_BYTES
 
     if not isinstance(budget_mb, (int, float)) or not budget_mb > 0:
@@ -253,7 +254,7 @@ def plan_budget(
     step = _as_step(example)
     budget = int(budget_mb * MB)
 
-    exact, stock_rows = _measure(model, step, [{"strategy": "none"}], seed, min_bytes)
+    exact, stock_rows = _measure(model, step, [{"strategy": "none"}], seed, min_bytes, apply)
     units = sorted(u for u, (raw, _) in stock_rows.items() if raw > 0)
     table: dict[str, dict[str, tuple[int, float]]] = {
         u: {"none": (stock_rows[u][1], 0.0)} for u in units
@@ -261,7 +262,7 @@ def plan_budget(
     stock_total = sum(stored for _, stored in stock_rows.values())
     uniform: list[BudgetPlan] = []
     for name in names:
-        whole_grads, rows = _measure(model, step, [{"strategy": name}], seed, min_bytes)
+        whole_grads, rows = _measure(model, step, [{"strategy": name}], seed, min_bytes, apply)
         uniform.append(
             _plan([{"strategy": name}], [], budget, stock_total, rows, exact, whole_grads)
         )
@@ -271,7 +272,7 @@ def plan_budget(
             # Alone: a tensor two modules save is stored once, so one module's saving can
             # depend on its neighbour's; measuring it alone keeps the sum honest.
             rules = [{"strategy": "none"}, {"module": u, "strategy": name}]
-            grads, alone = _measure(model, step, rules, seed, min_bytes)
+            grads, alone = _measure(model, step, rules, seed, min_bytes, apply)
             delta = sum(b for _, b in alone.values()) - stock_total
             if delta >= 0:
                 continue
@@ -287,7 +288,7 @@ def plan_budget(
         choices = [
             Choice(u, stock_rows[u][0], pick[u], *table[u][pick[u]], table[u]) for u in units
         ]
-        grads, rows = _measure(model, step, rules, seed, min_bytes)
+        grads, rows = _measure(model, step, rules, seed, min_bytes, apply)
         plan = _plan(rules, choices, budget, stock_total, rows, exact, grads)
         tried.append(plan)
         if plan.fits or plan.estimated_bytes > target:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from .compressor import AS_IS
 from .offload import CpuOffload
-from .registry import AS_IS, Registry
+
+if TYPE_CHECKING:
+    from .registry import Registry
 
 
 def _none() -> object:

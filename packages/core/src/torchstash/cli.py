@@ -176,13 +176,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
-    from .bench import main as bench_main
+    from .bench.commands import main as bench_main
 
     return int(bench_main(rest) or 0)
 
 
 def cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
-    from .demo import main as demo_main
+    from .bench.demo import main as demo_main
 
     return int(demo_main(rest) or 0)
 

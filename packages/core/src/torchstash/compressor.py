@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from .packed import Packed
 from .site import Site
+
+
+class _AsIs:
+    def __repr__(self) -> str:
+        return "torchstash.AS_IS"
+
+
+#: What a factory returns to store saved tensors as they are (``none``, ``quant.L0``). A
+#: factory returning None is an error: that is most often a missing ``return``.
+AS_IS: Any = _AsIs()
 
 
 @runtime_checkable

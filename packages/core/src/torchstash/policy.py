@@ -141,15 +141,23 @@ class Policy:
         return cls(rules, name)
 
     @classmethod
-    def from_mesa(cls, text: str, name: str = "<mesa>", strategy: str = "quant.mesa") -> Policy:
-        """Mesa's policy text format (``on gelu:`` blocks of ``by_index``/``enable``/...)."""
-        from .mesa_format import parse_mesa
+    def from_format(cls, form: str, text: str, name: str = "<policy>", **options: Any) -> Policy:
+        """Rules in a format a plug-in registered (``"quant.mesa"``: Mesa's policy text), read
+        by that plug-in (see :meth:`~torchstash.registry.Registry.register_policy_format`)."""
+        from .registry import REGISTRY
 
-        return cls(parse_mesa(text, name, strategy), name)
+        reader = REGISTRY.policy_format(form)
+        return cls.from_rules(reader.read(text, name, **options), name)
 
     @classmethod
-    def load(cls, path: str | Path) -> Policy:
-        """A policy file: TOML (``.toml``) or Mesa's text format (anything else)."""
+    def from_mesa(cls, text: str, name: str = "<mesa>", strategy: str = "quant.mesa") -> Policy:
+        """Mesa's policy text: ``from_format("quant.mesa", ...)``, read by torchstash-quant."""
+        return cls.from_format("quant.mesa", text, name, strategy=strategy)
+
+    @classmethod
+    def load(cls, path: str | Path, form: str | None = None) -> Policy:
+        """A policy file: TOML (``.toml``), or a format a plug-in reads (``form``, else the
+        one claiming the file's suffix: Mesa's text format, from torchstash-quant)."""
         p = Path(path)
         try:
             data = p.read_bytes()
@@ -163,9 +171,22 @@ class Policy:
                 f"policy file {str(p)!r} is not UTF-8 text: byte {data[e.start]:#04x} on line "
                 f"{line} ({e.reason}). Save it as UTF-8."
             ) from None
-        if p.suffix == ".toml":
+        if form is None and p.suffix == ".toml":
             return cls.from_toml(text, p.name)
-        return cls.from_mesa(text, p.name)
+        if form is None:
+            from .registry import REGISTRY
+
+            found = REGISTRY.policy_format_for(p.suffix)
+            if found is None:
+                raise PolicyError(
+                    f"policy file {str(p)!r}: no installed plug-in reads {p.suffix or 'suffix-less'} "
+                    f"files. Write the policy as TOML (.toml), or install the plug-in whose "
+                    f"format it is (Mesa's text format: pip install torchstash-quant)."
+                )
+            form = found.name
+        if form == "toml":
+            return cls.from_toml(text, p.name)
+        return cls.from_format(form, text, p.name)
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:

@@ -22,6 +22,7 @@ from typing import Any
 
 from . import env
 from . import options as _options
+from .compressor import AS_IS
 from .errors import (
     DuplicateStrategyError,
     OptionError,
@@ -34,16 +35,6 @@ GROUP = "torchstash.plugins"
 IN_PROCESS = "<in-process>"
 
 Factory = Callable[..., Any]
-
-
-class _AsIs:
-    def __repr__(self) -> str:
-        return "torchstash.AS_IS"
-
-
-#: What a factory returns to store saved tensors as they are (``none``, ``quant.L0``). A
-#: factory returning None is an error: that is most often a missing ``return``.
-AS_IS: Any = _AsIs()
 
 
 @dataclass(frozen=True)
@@ -59,6 +50,8 @@ class Strategy:
     #: built from other strategies (an alias, a level): runnable by name, skipped by the demo
     #: and the bench unless asked for
     preset: bool = False
+    #: offered to ``apply(budget_mb=...)`` when no candidates are given (see :meth:`Registry.candidates`)
+    candidate: bool = False
 
     def options(self) -> list[str]:
         """Names of the options the factory accepts."""
@@ -75,6 +68,7 @@ class Strategy:
             "summary": self.summary,
             "options": self.options(),
             "preset": self.preset,
+            "candidate": self.candidate,
         }
 
     def create(self, **kwargs: Any) -> Any:
@@ -123,6 +117,19 @@ class OpDefault:
             "version": self.version,
             "summary": self.summary,
         }
+
+
+@dataclass(frozen=True)
+class PolicyFormat:
+    """A policy file format a plug-in reads (see :meth:`Registry.register_policy_format`)."""
+
+    name: str
+    read: Callable[..., Iterable[Any]]
+    summary: str
+    suffixes: tuple[str, ...]
+    fallback: bool
+    distribution: str
+    version: str
 
 
 @dataclass(frozen=True)
@@ -177,6 +184,7 @@ class Registry:
         self._builtins = builtins
         self._strategies: dict[str, Strategy] = {}
         self._op_defaults: dict[str, OpDefault] = {}
+        self._formats: dict[str, PolicyFormat] = {}
         self._plugins: dict[str, PluginRecord] = {}
         self._entry_points: dict[str, list[_EntryPoint]] | None = None
         self._loading: list[tuple[str | None, str, str]] = []  # (prefix, distribution, version)
@@ -192,28 +200,20 @@ class Registry:
         lossless: bool,
         summary: str,
         preset: bool = False,
+        candidate: bool = False,
     ) -> Strategy:
-        """Register ``name``. A name already taken is an error naming both providers."""
+        """Register ``name``. A name already taken is an error naming both providers.
+        ``candidate``: offered to a memory budget by default (:meth:`candidates`)."""
         if not name or name.strip() != name or any(c in name for c in " >,"):
             raise RegistryError(f"invalid strategy name {name!r}: use letters, digits, '.', '_'")
         if not callable(factory):
             raise RegistryError(f"strategy {name!r}: factory must be callable, got {factory!r}")
         with self._lock:
-            if self._loading:
-                dist, version = self._check_own(name, "register")
-            else:
-                self._ensure_builtins()  # so taking a core name fails here, not at first use
-                dist, version = IN_PROCESS, ""
-            existing = self._strategies.get(name)
-            if existing is not None:
-                raise DuplicateStrategyError(
-                    f"strategy {name!r} is offered twice:\n"
-                    f"  by {_who(existing.distribution, existing.version)}\n"
-                    f"  by {_who(dist, version)}\n"
-                    f"Uninstall one of them, or disable one with "
-                    f"{env.DISABLE_PLUGINS}=<entry point or distribution>."
-                )
-            strategy = Strategy(name, factory, bool(lossless), summary, dist, version, preset)
+            dist, version = self._provider(name)
+            _refuse_twice(f"strategy {name!r}", self._strategies.get(name), dist, version)
+            strategy = Strategy(
+                name, factory, bool(lossless), summary, dist, version, preset, bool(candidate)
+            )
             self._strategies[name] = strategy
             return strategy
 
@@ -227,20 +227,8 @@ class Registry:
         if not callable(factory):
             raise RegistryError(f"op {func!r}: factory must be callable, got {factory!r}")
         with self._lock:
-            if self._loading:
-                dist, version = self._check_own(func, "register")
-            else:
-                self._ensure_builtins()
-                dist, version = IN_PROCESS, ""
-            existing = self._op_defaults.get(func)
-            if existing is not None:
-                raise DuplicateStrategyError(
-                    f"a default for op {func!r} is offered twice:\n"
-                    f"  by {_who(existing.distribution, existing.version)}\n"
-                    f"  by {_who(dist, version)}\n"
-                    f"Uninstall one of them, or disable one with "
-                    f"{env.DISABLE_PLUGINS}=<entry point or distribution>."
-                )
+            dist, version = self._provider(func)
+            _refuse_twice(f"a default for op {func!r}", self._op_defaults.get(func), dist, version)
             default = OpDefault(func, factory, summary, dist, version)
             self._op_defaults[func] = default
             return default
@@ -260,6 +248,52 @@ class Registry:
             self._load_prefix(_prefix(func))
             return self._op_defaults.get(func)
 
+    def register_policy_format(
+        self,
+        name: str,
+        read: Callable[..., Iterable[Any]],
+        *,
+        summary: str,
+        suffixes: Iterable[str] = (),
+        fallback: bool = False,
+    ) -> PolicyFormat:
+        """A policy file format besides TOML (Mesa's text: ``quant.mesa``): ``read(text,
+        source, **options)`` returns its rules. ``Policy.load`` picks it for files ending in
+        one of ``suffixes``, or, with ``fallback``, for any file no format claims."""
+        if not callable(read):
+            raise RegistryError(f"policy format {name!r}: read must be callable, got {read!r}")
+        with self._lock:
+            dist, version = self._provider(name)
+            found = self._formats.get(name)
+            _refuse_twice(f"policy format {name!r}", found, dist, version)
+            form = PolicyFormat(name, read, summary, tuple(suffixes), bool(fallback), dist, version)
+            self._formats[name] = form
+            return form
+
+    def policy_format(self, name: str) -> PolicyFormat:
+        """The policy format ``name``, loading the plug-in owning its prefix."""
+        with self._lock:
+            self._ensure_builtins()
+            self._load_prefix(_prefix(name))
+            found = self._formats.get(name)
+        if found is None:
+            known = ", ".join(f.name for f in self.policy_formats()) or "none"
+            raise UnknownStrategyError(
+                f"unknown policy format {name!r}. Installed: toml, {known}. A plug-in may be "
+                f"missing: pip install torchstash-{_prefix(name)}."
+            )
+        return found
+
+    def policy_format_for(self, suffix: str) -> PolicyFormat | None:
+        """The format that claims files ending in ``suffix``, else the fallback, else None."""
+        forms = self.policy_formats()
+        claimed = [f for f in forms if suffix in f.suffixes] or [f for f in forms if f.fallback]
+        return claimed[0] if claimed else None
+
+    def policy_formats(self) -> list[PolicyFormat]:
+        self.load_all()
+        return [self._formats[n] for n in sorted(self._formats)]
+
     def op_defaults(self) -> list[OpDefault]:
         """Every op default, after loading every plug-in (``torchstash list`` shows them)."""
         self.load_all()
@@ -270,6 +304,14 @@ class Registry:
             if self._loading:
                 self._check_own(name, "unregister")
             self._strategies.pop(name, None)
+
+    def _provider(self, name: str) -> tuple[str, str]:
+        """Who registers ``name`` now: the loading plug-in (which must own its prefix), or
+        the running process."""
+        if self._loading:
+            return self._check_own(name, "register")
+        self._ensure_builtins()  # so taking a core name fails here, not at first use
+        return IN_PROCESS, ""
 
     def _check_own(self, name: str, verb: str) -> tuple[str, str]:
         """The loading plug-in's distribution and version, if ``name`` is under its prefix."""
@@ -317,6 +359,13 @@ class Registry:
         """Every strategy name, after loading every plug-in."""
         self.load_all()
         return sorted(self._strategies)
+
+    def candidates(self) -> list[Strategy]:
+        """The strategies a memory budget tries when not told which: those registered with
+        ``candidate=True`` by what is installed, exact ones first, then in registration order."""
+        self.load_all()
+        found = [s for s in self._strategies.values() if s.candidate]
+        return sorted(found, key=lambda s: not s.lossless)
 
     def strategies(self) -> list[Strategy]:
         self.load_all()
@@ -399,8 +448,9 @@ class Registry:
         for name in set(self._strategies) - before:
             if _prefix(name) == prefix:
                 del self._strategies[name]
-        for func in [f for f in self._op_defaults if _prefix(f) == prefix]:
-            del self._op_defaults[func]
+        for table in (self._op_defaults, self._formats):
+            for key in [k for k in table if _prefix(k) == prefix]:
+                del table[key]
 
     @contextlib.contextmanager
     def _providing(self, prefix: str | None, dist: str, version: str) -> Iterator[None]:
@@ -413,6 +463,18 @@ class Registry:
 
 def _who(dist: str, version: str) -> str:
     return f"{dist} {version}".strip()
+
+
+def _refuse_twice(what: str, existing: Any, dist: str, version: str) -> None:
+    """A name offered twice is an error naming both providers (as pluggy's is)."""
+    if existing is not None:
+        raise DuplicateStrategyError(
+            f"{what} is offered twice:\n"
+            f"  by {_who(existing.distribution, existing.version)}\n"
+            f"  by {_who(dist, version)}\n"
+            f"Uninstall one of them, or disable one with "
+            f"{env.DISABLE_PLUGINS}=<entry point or distribution>."
+        )
 
 
 def _disabled(ep: _EntryPoint) -> bool:
@@ -440,9 +502,10 @@ def register_strategy(
     lossless: bool,
     summary: str,
     preset: bool = False,
+    candidate: bool = False,
     registry: Registry | None = None,
 ) -> Strategy:
     """Register a strategy in-process (plug-ins reach the same code through their entry point)."""
     return (registry or REGISTRY).register(
-        name, factory, lossless=lossless, summary=summary, preset=preset
+        name, factory, lossless=lossless, summary=summary, preset=preset, candidate=candidate
     )

@@ -98,6 +98,7 @@ def register(registry: Registry) -> None:
         memsave,
         lossless=True,
         summary="layers that save only what this step's gradients need (exact)",
+        candidate=True,
     )
     registry.register_op_default(
         RELU_OP,

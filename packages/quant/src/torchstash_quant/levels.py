@@ -17,14 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from torchstash.compressor import BaseCompressor, Composed, Compressor
-from torchstash.errors import OptionError
-from torchstash.offload import CpuOffload
+from torchstash.compressor import BaseCompressor, Compressor
 from torchstash.packed import Packed
-from torchstash.registry import AS_IS
 from torchstash.site import Site
-
-from .strategies import auto, quant
 
 LEVELS = ("L0", "L1", "L2", "L3", "L4", "L5")
 
@@ -49,35 +44,6 @@ class OnlyOps(BaseCompressor):
 
     def decompress(self, packed: Packed) -> torch.Tensor:
         return self.inner.decompress(packed)
-
-
-def level(name: str, group_size: int = 256, seed: int | None = None) -> Compressor | None:
-    """The compressor of ActNN level ``name`` (``"L0"`` ... ``"L5"``)."""
-    if name not in LEVELS:
-        raise OptionError(f"level={name!r} is not an ActNN level; use one of {', '.join(LEVELS)}")
-    if name == "L0":
-        return None
-    if name == "L1":
-        inner = quant(4, group_size, True, seed)
-        inner.name = "quant.L1"
-        return OnlyOps(inner, frozenset({"linear", "conv"}))
-    if name == "L2":
-        return quant(4, group_size, True, seed)
-    codec: Compressor = auto(2.0, group_size=group_size, seed=seed)
-    if name in ("L4", "L5"):
-        codec = Composed(codec, CpuOffload())
-    if name == "L5" and torch.cuda.is_available():
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-    return codec
-
-
-def _factory(name: str) -> object:
-    def build(group_size: int = 256, seed: int | None = None) -> object:
-        codec = level(name, group_size, seed)
-        return AS_IS if codec is None else codec  # L0: a factory's None is an error
-
-    build.__name__ = f"level_{name}"
-    return build
 
 
 SUMMARIES = {

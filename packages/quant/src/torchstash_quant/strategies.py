@@ -4,12 +4,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
+from torchstash.compressor import Composed, Compressor
+from torchstash.errors import OptionError
+from torchstash.offload import CpuOffload
+from torchstash.registry import AS_IS
+
 from ._options import check_attn_bits, check_deriv_bits
 from .auto import UNRANKED_BITS, AutoQuantizer
 from .derivs import DerivCoder
 from .fp8 import Fp8Quantizer
 from .groupwise import GroupQuantizer
+from .levels import LEVELS, SUMMARIES, OnlyOps
 from .mesa.codec import MesaQuantizer
+from .mesa.format import parse_mesa
 from .opaware import OpAware
 
 if TYPE_CHECKING:
@@ -65,8 +74,6 @@ def quant(
     if norm_bits == "auto":
         norm_bits = {8: None, 4: 8}.get(bits, 4)
     elif norm_bits is not None and not isinstance(norm_bits, int):
-        from torchstash.errors import OptionError
-
         raise OptionError(
             f"{name}: option norm_bits={norm_bits!r} must be 1, 2, 4, 8, 'auto' or None"
         )
@@ -145,6 +152,35 @@ def fp8(group_size: int = 256) -> OpAware:
     return OpAware(Fp8Quantizer(group_size))
 
 
+def level(name: str, group_size: int = 256, seed: int | None = None) -> Compressor | None:
+    """The compressor of ActNN level ``name`` (``"L0"`` ... ``"L5"``)."""
+    if name not in LEVELS:
+        raise OptionError(f"level={name!r} is not an ActNN level; use one of {', '.join(LEVELS)}")
+    if name == "L0":
+        return None
+    if name == "L1":
+        inner = quant(4, group_size, True, seed)
+        inner.name = "quant.L1"
+        return OnlyOps(inner, frozenset({"linear", "conv"}))
+    if name == "L2":
+        return quant(4, group_size, True, seed)
+    codec: Compressor = auto(2.0, group_size=group_size, seed=seed)
+    if name in ("L4", "L5"):
+        codec = Composed(codec, CpuOffload())
+    if name == "L5" and torch.cuda.is_available():
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    return codec
+
+
+def _level_factory(name: str) -> object:
+    def build(group_size: int = 256, seed: int | None = None) -> object:
+        codec = level(name, group_size, seed)
+        return AS_IS if codec is None else codec  # L0: a factory's None is an error
+
+    build.__name__ = f"level_{name}"
+    return build
+
+
 def register(registry: Registry) -> None:
     registry.register(
         "quant",
@@ -159,6 +195,7 @@ def register(registry: Registry) -> None:
             _fixed(bits),  # type: ignore[arg-type]
             lossless=False,
             summary=f"{bits}-bit per-group stochastic quantization (ActNN/GACT scheme, fused)",
+            candidate=bits >= 2,  # a memory budget tries int8, int4, int2
         )
     registry.register(
         "quant.mesa",
@@ -172,16 +209,20 @@ def register(registry: Registry) -> None:
         lossless=False,
         summary="mixed 1/2/4/8-bit under an average budget (default 2), from range x gradient",
     )
-    from .levels import LEVELS, SUMMARIES, _factory
-
     for name in LEVELS:
         registry.register(
             f"quant.{name}",
-            _factory(name),  # type: ignore[arg-type]
+            _level_factory(name),  # type: ignore[arg-type]
             lossless=name == "L0",
             summary=SUMMARIES[name],
             preset=True,
         )
+    registry.register_policy_format(
+        "quant.mesa",
+        parse_mesa,
+        summary="Mesa's policy text (on <tag>: blocks of by_index/enable/level/ema_decay)",
+        fallback=True,  # Mesa's files have no suffix of their own
+    )
     registry.register(
         "quant.fp8",
         fp8,

@@ -285,7 +285,7 @@ def _cross_entropy(logits: Tensor, y: Tensor) -> Tensor:
 
 
 def _gpt(sdpa: bool, scale: int) -> Case:
-    from ..zoo import GPT
+    from ..bench.zoo import GPT
 
     vocab, ctx, batch = 128, 64, 8 * scale
 

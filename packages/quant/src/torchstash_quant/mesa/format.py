@@ -8,7 +8,9 @@
         by_index: 1 2
         enable: False
 
-Each ``by_index`` starts a rule; settings after it belong to it. Later rules win.
+Each ``by_index`` starts a rule; settings after it belong to it. Later rules win. The
+plug-in registers this reader as policy format ``quant.mesa``, so ``Policy.load`` reads a
+Mesa file (any file not ending in ``.toml``) and ``Policy.from_mesa`` a Mesa text.
 """
 
 from __future__ import annotations
@@ -16,15 +18,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .errors import PolicyError
-from .policy import Rule
-from .tags import normalize
+from torchstash.errors import PolicyError
+from torchstash.policy import Rule
+from torchstash.tags import normalize
 
 MESA_TAGS = ("fc", "conv", "gelu", "bn", "relu", "softmax", "matmul", "layernorm")
 _SETTINGS = ("enable", "level", "ema_decay")
 
 
-def parse_mesa(text: str, name: str, strategy: str) -> list[Rule]:
+def parse_mesa(text: str, name: str, strategy: str = "quant.mesa") -> list[Rule]:
     rules: list[Rule] = []
     tag: str | None = None
     current: dict[str, Any] | None = None

@@ -1,4 +1,4 @@
-"""``python -m torchstash_dropit.evaluate``: the figures in the package README, measured.
+"""``python -m torchstash.bench.dropit``: the figures in the package README, measured.
 
 ``error``: the weight-gradient relative error ``|G - G_stock| / |G_stock|`` of every linear
 layer of the demo's GPT (the same model, corpus and optimizer as ``torchstash demo``), trained
@@ -34,12 +34,12 @@ from rich.table import Table
 from torch import nn
 
 import torchstash as ts
-from torchstash.demo import DemoConfig, build_model, lm_loss, load_corpus, train_starts, windows
 from torchstash.errors import PolicyError
 from torchstash.policy import parse_spec
-from torchstash.zoo import ZooEntry, zoo
+from torchstash_dropit import FILLS, SCOPES
 
-from ._options import FILLS, SCOPES
+from .demo import DemoConfig, build_model, lm_loss, load_corpus, train_starts, windows
+from .zoo import ZooEntry, zoo
 
 GAMMAS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
 #: The demo GPT's linear layers, by role (qualified-name globs).
@@ -278,13 +278,13 @@ def zoo_table(rows: list[dict[str, Any]], scale: str) -> Table:
 
 def demo(steps: int = 300, seed: int = 0, out: str = "demo-out/dropit") -> Any:
     """The demo with :data:`DEMO_STRATEGIES` and :data:`DEMO_POLICIES`; its result."""
-    from torchstash.demo import run_demo
+    from .demo import run_demo
 
     return run_demo(steps, out, list(DEMO_STRATEGIES), seed, policies=DEMO_POLICIES)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torchstash_dropit.evaluate")
+    parser = argparse.ArgumentParser(prog="python -m torchstash.bench.dropit")
     sub = parser.add_subparsers(dest="what", required=True)
     err = sub.add_parser("error", help="weight-gradient error against gamma on the demo GPT")
     err.add_argument("--steps", type=int, default=300, help="stock steps first (default 300)")

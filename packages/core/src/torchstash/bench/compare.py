@@ -69,8 +69,10 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from .api import Handle, apply
-from .bench import (
+from ..api import Handle, apply
+from ..measure import time_steps
+from ..policy import parse_spec
+from .common import (
     MB,
     STOCK,
     compressed_nothing,
@@ -96,8 +98,6 @@ from .demo import (
     val_starts,
     windows,
 )
-from .measure import time_steps
-from .policy import parse_spec
 from .zoo import BasicBlock, Block, ZooEntry, zoo
 
 CHECKPOINT, SAC, SAVE_ON_CPU, COMPILE = "checkpoint", "sac", "save_on_cpu", "compile-budget"
@@ -1056,7 +1056,7 @@ def from_json(path: str | Path) -> CompareResult:
     return CompareResult(rows, demo, data)
 
 
-if __name__ == "__main__":  # python -m torchstash.compare compare.json: the Markdown table
+if __name__ == "__main__":  # python -m torchstash.bench.compare compare.json: the Markdown table
     import sys
 
     for arg in sys.argv[1:]:

@@ -9,167 +9,37 @@ ratio includes torchstash's own overhead. ``none`` also gets a row of its own: t
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import math
-import os
 import statistics
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-)
 from rich.table import Table
 
-from .api import strategies as installed_strategies
-from .measure import Report, measure, time_steps
+from ..measure import Report, measure, time_steps
+from .common import (
+    MB,
+    STOCK,
+    compressed_nothing,
+    cpu_threads,
+    default_device,
+    error_text,
+    fmt,
+    lossless_of,
+    merge_declined,
+    num_threads,
+    progress_bar,
+    strategy_names,
+    top_reason,
+)
 from .zoo import ZooEntry, zoo
 
-MB = 1 << 20
-STOCK = "stock"
 SCALES = ("tiny", "small", "base")
 SEED = 0
-
-
-# -- helpers the demo shares ----------------------------------------------------------------
-
-
-def split_names(text: str) -> list[str]:
-    """``"a, b,,c"`` -> ``["a", "b", "c"]``: the ``--strategies`` option's parser."""
-    return [n.strip() for n in text.split(",") if n.strip()]
-
-
-def strategy_names(requested: Iterable[str] | None, *, keep_none: bool = False) -> list[str]:
-    """The strategies to run: as requested (deduplicated), or every installed one but presets.
-
-    ``none`` stores what stock stores, so it is dropped unless ``keep_none``: the bench keeps
-    it (its time is torchstash's own overhead); the demo keeps it only when asked for by name.
-    """
-    names = (
-        [s["name"] for s in installed_strategies() if not s["preset"]]
-        if requested is None
-        else list(requested)
-    )
-    drop_none = not keep_none
-    out: list[str] = []
-    for n in names:
-        if n not in out and not (n == "none" and drop_none):
-            out.append(n)
-    return out
-
-
-def lossless_of(name: str) -> bool | None:
-    """Whether an installed strategy is lossless (None when it is not installed)."""
-    for s in installed_strategies():
-        if s["name"] == name:
-            return bool(s["lossless"])
-    return None
-
-
-def error_text(e: BaseException) -> str:
-    """One line for a table cell and the JSON: the type and the first line of the message."""
-    first = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {first[0]}" if first else type(e).__name__
-
-
-def merge_declined(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
-    """Why tensors were left as they are, summed over modules: reason -> count."""
-    total: Counter[str] = Counter()
-    for c in counts:
-        total.update(c)
-    return dict(total)
-
-
-def compressed_nothing(strategy: str, compressed: int | None, host_bytes: int | None) -> bool:
-    """A strategy that packed no tensor and offloaded nothing: an identity on this model."""
-    return strategy not in (STOCK, "none") and not compressed and not host_bytes
-
-
-def top_reason(declined: Mapping[str, int]) -> str:
-    """The most frequent reason a strategy gave for leaving tensors alone."""
-    return max(declined, key=declined.__getitem__, default="nothing to compress")
-
-
-def jsonable(value: Any) -> Any:
-    """``value`` with NaN and infinities as null, so the output is strict JSON."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [jsonable(v) for v in value]
-    return value
-
-
-def fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
-    """A number for a table cell; missing values show as a dash."""
-    if value is None:
-        return "-"
-    if math.isinf(value):
-        return "inf"  # e.g. everything offloaded: nothing left on the device
-    return f"{value:{spec}}{suffix}"
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
-
-
-def progress_bar(console: Console) -> Progress:
-    """The progress display both commands use."""
-    return Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    )
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def cpu_threads(requested: int | None = None) -> int:
-    """Threads for CPU runs: all cores but one, at most 4, unless ``requested``.
-
-    Leaving a core free matters more than it seems: when another process keeps every core
-    busy, a step whose OpenMP threads span all cores stalls for hundreds of milliseconds
-    waiting for a descheduled thread, and the step-time ratios become noise. Models this
-    small gain little beyond 4 threads.
-    """
-    if requested is not None:
-        if requested < 1:
-            raise ValueError(f"threads must be >= 1, got {requested}")
-        return requested
-    return max(1, min(4, (os.cpu_count() or 1) - 1))
-
-
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    """``torch.set_num_threads(n)`` for a block, restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-# -- measuring ------------------------------------------------------------------------------
 
 
 def _step_fn(entry: ZooEntry, model: torch.nn.Module, device: torch.device) -> Callable[[], None]:
@@ -363,86 +233,3 @@ def bench_notes(rows: Sequence[dict[str, Any]]) -> list[str]:
             why = f"compressed nothing: {top_reason(r['declined'])}"
             seen.setdefault((r["strategy"], why), []).append(r["model"])
     return [f"{name} ({', '.join(models)}) {why}" for (name, why), models in seen.items()]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="torchstash bench",
-        description="Measure saved-for-backward memory and step time of the model zoo "
-        "under stock PyTorch and each installed strategy.",
-    )
-    p.add_argument("--scale", choices=SCALES, default="small", help="zoo size (default: small)")
-    p.add_argument(
-        "--strategies",
-        type=split_names,
-        default=None,
-        help="comma-separated strategy names (default: every installed strategy)",
-    )
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
-    p.add_argument(
-        "--repeat", type=int, default=None, help="timed steps per run (default: 3; --compare: 5)"
-    )
-    p.add_argument(
-        "--threads", type=int, default=None, help="CPU threads (default: all cores but one, <= 4)"
-    )
-    p.add_argument(
-        "--json",
-        metavar="PATH",
-        default=None,
-        help="also write the rows as JSON to PATH; '-' prints JSON to stdout instead of the table",
-    )
-    c = p.add_argument_group(
-        "--compare", "torchstash against checkpointing, SAC, save_on_cpu and torch.compile"
-    )
-    c.add_argument(
-        "--compare",
-        action="store_true",
-        help="run stock, checkpoint, sac, save_on_cpu, compile-budget, the strategies and "
-        "checkpoint+quant.int8 on the zoo and the demo task (--strategies may name any of "
-        "them, and checkpoint+STRATEGY for any strategy)",
-    )
-    c.add_argument("--models", type=split_names, default=None, help="e.g. gpt,vit (default: all)")
-    c.add_argument(
-        "--demo-steps", type=int, default=300, help="demo training steps; 0 skips (default: 300)"
-    )
-    c.add_argument(
-        "--budget", type=float, default=0.5, help="compile's activation_memory_budget (0.5)"
-    )
-    c.add_argument("--plot", metavar="PNG", default=None, help="write the Pareto plot to PNG")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``torchstash bench``: progress and table on the terminal, or JSON with ``--json``."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.compare:
-        from . import compare
-
-        return compare.main(args)
-    if args.models or args.plot:
-        parser.error("--models and --plot need --compare")
-    args.repeat = args.repeat or 3
-    to_stdout = args.json == "-"
-    console = Console(stderr=True, highlight=False) if to_stdout else Console(highlight=False)
-    dev = torch.device(args.device) if args.device else default_device()
-    rows = run_bench(args.scale, args.strategies, dev, args.repeat, console, threads=args.threads)
-    text = json.dumps(jsonable(rows), indent=2)
-    if to_stdout:
-        print(text)
-        return 0
-    where = f"{dev} ({plural(rows[0]['threads'], 'thread')})" if dev.type == "cpu" else str(dev)
-    title = f"torchstash bench: zoo scale {args.scale} on {where}, median of {args.repeat} steps"
-    console.print(bench_table(rows, title))
-    for line in bench_notes(rows):
-        console.print(f"  {escape(line)}")
-    console.print(
-        "saved = bytes autograd kept for backward on the device in one step; ratio = raw / saved; "
-        "time = median step time relative to stock's in this run."
-    )
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text + "\n")
-        console.print(f"wrote {escape(str(path))}")
-    return 0

@@ -28,8 +28,11 @@ from rich.markup import escape
 from rich.table import Table
 from torch import Tensor, nn
 
-from .api import Handle, PolicyLike, apply
-from .bench import (
+from ..api import Handle, PolicyLike, apply
+from ..engine import Tally
+from ..errors import PolicyError
+from ..policy import as_policy, parse_spec
+from .common import (
     MB,
     STOCK,
     compressed_nothing,
@@ -47,9 +50,6 @@ from .bench import (
     strategy_names,
     top_reason,
 )
-from .engine import Tally
-from .errors import PolicyError
-from .policy import as_policy, parse_spec
 from .zoo import GPT
 
 VOCAB = 128  # ASCII; source files are almost entirely ASCII

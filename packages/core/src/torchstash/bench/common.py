@@ -1,0 +1,152 @@
+"""Helpers the lab's tools share: strategy names, number formats, threads, progress bars."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+from ..api import strategies as installed_strategies
+
+MB = 1 << 20
+STOCK = "stock"
+
+
+def split_names(text: str) -> list[str]:
+    """``"a, b,,c"`` -> ``["a", "b", "c"]``: the ``--strategies`` option's parser."""
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def strategy_names(requested: Iterable[str] | None, *, keep_none: bool = False) -> list[str]:
+    """The strategies to run: as requested (deduplicated), or every installed one but presets.
+
+    ``none`` stores what stock stores, so it is dropped unless ``keep_none``: the bench keeps
+    it (its time is torchstash's own overhead); the demo keeps it only when asked for by name.
+    """
+    names = (
+        [s["name"] for s in installed_strategies() if not s["preset"]]
+        if requested is None
+        else list(requested)
+    )
+    drop_none = not keep_none
+    out: list[str] = []
+    for n in names:
+        if n not in out and not (n == "none" and drop_none):
+            out.append(n)
+    return out
+
+
+def lossless_of(name: str) -> bool | None:
+    """Whether an installed strategy is lossless (None when it is not installed)."""
+    for s in installed_strategies():
+        if s["name"] == name:
+            return bool(s["lossless"])
+    return None
+
+
+def error_text(e: BaseException) -> str:
+    """One line for a table cell and the JSON: the type and the first line of the message."""
+    first = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {first[0]}" if first else type(e).__name__
+
+
+def merge_declined(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Why tensors were left as they are, summed over modules: reason -> count."""
+    total: Counter[str] = Counter()
+    for c in counts:
+        total.update(c)
+    return dict(total)
+
+
+def compressed_nothing(strategy: str, compressed: int | None, host_bytes: int | None) -> bool:
+    """A strategy that packed no tensor and offloaded nothing: an identity on this model."""
+    return strategy not in (STOCK, "none") and not compressed and not host_bytes
+
+
+def top_reason(declined: Mapping[str, int]) -> str:
+    """The most frequent reason a strategy gave for leaving tensors alone."""
+    return max(declined, key=declined.__getitem__, default="nothing to compress")
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with NaN and infinities as null, so the output is strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    """A number for a table cell; missing values show as a dash."""
+    if value is None:
+        return "-"
+    if math.isinf(value):
+        return "inf"  # e.g. everything offloaded: nothing left on the device
+    return f"{value:{spec}}{suffix}"
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def progress_bar(console: Console) -> Progress:
+    """The progress display both commands use."""
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def cpu_threads(requested: int | None = None) -> int:
+    """Threads for CPU runs: all cores but one, at most 4, unless ``requested``.
+
+    Leaving a core free matters more than it seems: when another process keeps every core
+    busy, a step whose OpenMP threads span all cores stalls for hundreds of milliseconds
+    waiting for a descheduled thread, and the step-time ratios become noise. Models this
+    small gain little beyond 4 threads.
+    """
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"threads must be >= 1, got {requested}")
+        return requested
+    return max(1, min(4, (os.cpu_count() or 1) - 1))
+
+
+@contextlib.contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    """``torch.set_num_threads(n)`` for a block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# -- measuring ------------------------------------------------------------------------------
