@@ -16,19 +16,6 @@ from torchstash.packed import Packed
 SIGN_OPS = frozenset({"relu", "leaky_relu"})
 
 
-def pack_sign(x: torch.Tensor) -> Packed:
-    """``x > 0`` as bits; restored as 1.0 / 0.0 in ``x``'s dtype (NaN counts as positive)."""
-    positive = (x > 0) | x.isnan()
-    p = Packed.like(x, "quant.sign", bits=pack_mask(positive.contiguous()))
-    return p
-
-
-def unpack_sign(packed: Packed) -> torch.Tensor:
-    bits = packed.tensors["bits"]
-    assert isinstance(bits, torch.Tensor)
-    return unpack_mask(bits, packed.numel).view(packed.shape).to(packed.dtype)
-
-
 def pack_bool(x: torch.Tensor) -> Packed:
     return Packed.like(x, "quant.bool", bits=pack_mask(x.contiguous()))
 

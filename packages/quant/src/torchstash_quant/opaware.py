@@ -33,6 +33,7 @@ import torch
 
 from torchstash.compressor import BaseCompressor, Compressor
 from torchstash.packed import Packed
+from torchstash.signs import pack_sign, unpack_sign
 from torchstash.site import Site
 
 from ._dtypes import dtype_reasons
@@ -45,10 +46,8 @@ from .masks import (
     SIGN_OPS,
     pack_bool,
     pack_scaled_mask,
-    pack_sign,
     unpack_bool,
     unpack_scaled_mask,
-    unpack_sign,
 )
 from .pool import CODEC as POOL_CODEC
 from .pool import POOL_FUNCS, pack_pool_positions, pool_geometry, unpack_pool_positions
@@ -67,6 +66,9 @@ SDPA_REASON = (
     f"{SDPA}'s saves other than q, k, v (a mask) are kept exact; its output and log-sum-exp "
     "are recomputed from them in backward, or kept exact"
 )
+
+#: How a ReLU-like op's saved tensor is recorded: its sign bits, by the core's shared codec
+SIGN_CODEC = "quant.sign"
 
 
 #: Width of the operands of attention's scores (``q @ k.T``). The engine recomputes the
@@ -278,7 +280,7 @@ class OpAware(BaseCompressor):
         if kind == "bool":
             return pack_bool(x)
         if kind == "sign":
-            return pack_sign(x)
+            return pack_sign(x, SIGN_CODEC)
         if kind == "dropmask":
             return pack_scaled_mask(x)
         if kind == "pool":
@@ -360,7 +362,7 @@ class OpAware(BaseCompressor):
             return self._decompress_centered(packed)
         if packed.codec == "quant.bool":
             return unpack_bool(packed)
-        if packed.codec == "quant.sign":
+        if packed.codec == SIGN_CODEC:
             return unpack_sign(packed)
         if packed.codec == "quant.scaled_mask":
             return unpack_scaled_mask(packed)

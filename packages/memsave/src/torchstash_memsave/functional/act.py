@@ -30,9 +30,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from torchstash import as_op, engine_active
-from torchstash.compressor import BaseCompressor
-from torchstash.packed import Packed
-from torchstash.site import Site
+from torchstash.signs import SignBits
 
 from ._standin import check_inplace, needs_graph, pack_keep_mask, unpack_keep_mask
 
@@ -156,46 +154,21 @@ def _apply(x: torch.Tensor, kind: str, a: float, b: float, inplace: bool) -> tor
     return out
 
 
-class ReLUMaskCodec(BaseCompressor):
-    """The engine's code for a ReLU output: 1 bit per element, decoded as 1.0 (kept) or 0.0.
-
-    Under torchstash's engine the ReLU saves its float output as op ``memsave.relu``, whose
-    default code this is (registered by the plug-in, overridable by a policy rule naming
-    that op), instead of packing the bits itself: when the next layer
-    saves the same tensor as it is (a conv whose weight trains), the engine drops the code and
-    both read that one tensor, so the ReLU costs nothing beside it and never more than stock.
-    ``threshold_backward(g, t, 0)`` gives the same bits for the output and for the decoded
-    ``t``, since both are above zero exactly where the gradient passes (NaN included).
-    """
-
-    name = "memsave.relu_mask"
-    lossless = True
-
-    def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
-        if not x.is_floating_point():
-            return [f"{self.name} codes float ReLU outputs, got {x.dtype}"]
-        return []
-
-    def compress(self, x: torch.Tensor, site: Site) -> Packed:
-        bits, inverse = pack_keep_mask(~(x <= 0))
-        packed = Packed.like(x, self.name, bits=bits)
-        packed.meta["order"] = inverse
-        return packed
-
-    def decompress(self, packed: Packed) -> torch.Tensor:
-        bits = packed.tensors["bits"]
-        order = packed.meta["order"]
-        assert isinstance(bits, torch.Tensor) and (order is None or isinstance(order, tuple))
-        return unpack_keep_mask(bits, tuple(packed.shape), order).to(packed.dtype)
-
-
-RELU_MASK = ReLUMaskCodec()
+#: The engine's code for a ReLU output: 1 bit per element, decoded as 1.0 (kept) or 0.0.
+#:
+#: Under torchstash's engine the ReLU saves its float output as op ``memsave.relu``, whose
+#: default code this is (registered by the plug-in, overridable by a policy rule naming that
+#: op), instead of packing the bits itself: when the next layer saves the same tensor as it
+#: is (a conv whose weight trains), the engine drops the code and both read that one tensor,
+#: so the ReLU costs nothing beside it and never more than stock. It is the core's shared
+#: sign codec (:class:`torchstash.signs.SignBits`), the same quant's op-aware codes use.
+RELU_MASK = SignBits("memsave.relu_mask")
 #: the name memsave's ReLU gives its saves under the engine; its default code is ``RELU_MASK``
 RELU_OP = "memsave.relu"
 
 
 class EngineCodedReLUFunction(torch.autograd.Function):
-    """ReLU that saves its float output for torchstash's engine to code (:class:`ReLUMaskCodec`)."""
+    """ReLU that saves its float output for torchstash's engine to code (:data:`RELU_MASK`)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, inplace: bool) -> torch.Tensor:
@@ -216,7 +189,7 @@ def relu(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """``F.relu`` saving a 1-bit mask (stock: the float output).
 
     Under torchstash's engine the mask is the engine's code of the output, which yields to
-    the output itself where another op saves it as is (see :class:`ReLUMaskCodec`).
+    the output itself where another op saves it as is (see :data:`RELU_MASK`).
     """
     if not needs_graph(input):
         return F.relu(input, inplace)

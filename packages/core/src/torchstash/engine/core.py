@@ -1,0 +1,285 @@
+"""The engine: saved-tensor hooks that compress what autograd saves, with exact accounting.
+
+One :class:`Engine` serves one ``apply`` handle or one ``stash`` block. Its pack hook names the
+tensor's :class:`Site` (:mod:`.scope`), keeps parameters and their copies as they are
+(:mod:`.params`), stores a tensor saved by several ops once, asks the policy for a
+compressor, keeps an output its op's stored input can rebuild as a recipe (:mod:`.recompute`),
+and counts raw and stored bytes per module (:mod:`.tally`); its unpack hook restores, and a
+failing compressor's error names everything a user needs (:mod:`.messages`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..compressor import Compressor
+from ..derive import SDPA, Recipe, may_replay_attention, save_kind
+from ..optrack import STATE as OP_STATE
+from ..packed import Packed, raw_nbytes, storage_base
+from ..site import Site
+from . import messages
+from .entries import RELEASED, Entry, Recomputed, Saved, dedupe_key, variant_of
+from .messages import CONSTANT_REASON, FUSED_EXACT_REASON, FUSED_OUTPUT_REASON, KEEP_TYPE
+from .params import is_parameter
+from .recompute import Recomputation, Sources
+from .scope import Scoping, ThreadState
+from .tally import Row, Tally
+
+Resolver = Callable[[Site, frozenset[str]], "Compressor | None"]
+
+#: Tensors smaller than this are stored as they are: compressing them saves nothing worth a kernel.
+DEFAULT_MIN_BYTES = 1024
+
+_PARAMETER = Site(role="parameter")
+_OUTSIDE = Site(role="outside the stash block")
+
+
+class Engine(Scoping, Recomputation):
+    def __init__(
+        self,
+        resolve: Resolver,
+        *,
+        min_bytes: int = DEFAULT_MIN_BYTES,
+        skip_ptrs: Callable[[], set[int]] | None = None,
+        dedupe: bool = True,
+        in_scope: Callable[[], bool] | None = None,
+    ) -> None:
+        self.resolve = resolve
+        #: whether the running code is the engine's to compress (a ``stash`` block's own
+        #: thread and context); None: whatever runs under its hooks
+        self.in_scope = in_scope
+        self.min_bytes = min_bytes
+        self.dedupe = dedupe
+        self.tally = Tally()
+        self._skip_ptrs = skip_ptrs
+        self._skip: set[int] = set()
+        self._tls = ThreadState()
+        self._live: dict[tuple[Any, ...], weakref.ref[Entry]] = {}
+        self._live_limit = 1024
+        #: outputs a later save may recompute: key -> (the output, its recipe, the operands'
+        #: entries with their saved shapes)
+        self._recipes: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], Recipe, Sources]] = {}
+
+    def pack(self, t: torch.Tensor) -> Saved:
+        """The pack hook: what autograd will hold for ``t`` (a handle to a possibly shared
+        entry), with ``t`` counted in its module's row."""
+        if self.in_scope is not None and not self.in_scope():
+            # Under this engine's hooks but outside its scope (another asyncio task on the
+            # thread of a ``stash`` block): kept as stock keeps it, and not counted.
+            return Saved(Entry(t.detach(), None, _OUTSIDE, t._version, None))
+        if is_parameter(t, self._skip, OP_STATE.args):
+            self.tally.param_refs += 1
+            return Saved(Entry(t.detach(), None, _PARAMETER, t._version, None))
+        site = self._site(t)
+        row = self.tally.row(site)
+        row.saved += 1
+        row.ops[site.op or "?"] += 1
+        nbytes = raw_nbytes(t)
+        compressor, reason = self._choose(t, site, nbytes)
+        variant = variant_of(compressor, t, site)
+        key = None
+        if self.dedupe and t.numel() > 0:
+            key = dedupe_key(t)
+            ref = self._live.get(key)
+            hit = ref() if ref is not None else None
+            # Shared only when stored by the same compressor in the same way: an op-specific
+            # code (a ReLU's sign mask) must not stand in for the tensor another op saved.
+            # A tensor another op already holds as is is shared as is: a compressed copy
+            # beside it would only add memory (a ReLU's output that a conv also saves).
+            if hit is not None and hit.source() is not None and compressor is None:
+                self._store_as_is(hit, t)  # another op needs it as is: one raw copy, shared
+            if (
+                hit is not None
+                and hit.source() is not None
+                and (
+                    (hit.compressor is compressor and hit.variant == variant)
+                    or hit.compressor is None
+                )
+            ):
+                row.shared += 1
+                if hit.graph is not self._tls.graph:
+                    hit.graph = None  # two passes hold it: a failed backward must not drop it
+                self._note_derive_save(t, hit, compressor, site)
+                shape = tuple(t.shape)  # the stored value (tensor or Packed) has its shape
+                hit.pending += 1
+                return Saved(hit, None if shape == tuple(hit.value.shape) else shape)
+        entry = None
+        if key is not None and compressor is not None and self._recipes:
+            entry = self._recomputed(t, key, compressor, site, row)
+        if entry is None:
+            entry = self._store(t, site, row, compressor, reason)
+            self._note_derive_save(t, entry, compressor, site)
+        self._count(t, entry, row)
+        entry.variant = variant
+        graph = self._tls.graph
+        if graph is not None:
+            entry.graph = graph
+            graph.entries.append(weakref.ref(entry))
+        if key is not None:
+            self._remember(key, entry)
+        entry.pending += 1
+        return Saved(entry)
+
+    def _count(self, t: torch.Tensor, entry: Entry, row: Row) -> None:
+        """Count a new entry: ``t``'s storage in stock's bytes, whole and once (a view or
+        alias of a storage a live entry counted adds nothing: stock holds it once), and in the
+        stored bytes each storage its value holds (a payload's at its full size)."""
+        tally = self.tally
+        row.raw_bytes += tally.raw_storages.count(t, entry)
+        value = entry.value
+        if isinstance(value, torch.Tensor | Packed):
+            row.stored_bytes += tally.stored_storages.count(value, entry)
+        elif isinstance(value, Recomputed):  # a mask or scale its recipe holds alive
+            for held in value.recipe.held():
+                if storage_base(held) not in self._skip:
+                    row.stored_bytes += tally.stored_storages.count(held, entry)
+        if isinstance(value, Packed) and t.device.type != "cpu":
+            row.host_bytes += value.nbytes("cpu")
+
+    def _store_as_is(self, entry: Entry, t: torch.Tensor) -> None:
+        """Turn a compressed entry into the tensor itself, which a later op saves as is.
+
+        Autograd keeps that tensor alive for the later op anyway; holding the earlier op's
+        code beside it would cost more than stock (a ReLU's 1-bit mask next to the conv input
+        it also is), so the earlier op reads the exact tensor instead: less memory, no loss.
+        """
+        packed = entry.value
+        if isinstance(packed, Recomputed):  # it held no bytes: now the tensor's
+            row = self.tally.row(entry.site)
+            row.stored_bytes += self.tally.stored_storages.count(t, entry)
+            row.derived -= 1
+            value = t.detach()
+            entry.value = value if value.shape == packed.shape else value.view(packed.shape)
+            entry.compressor = None
+            entry.variant = ""
+            return
+        if not isinstance(packed, Packed):
+            return
+        row = self.tally.row(entry.site)
+        row.stored_bytes += self.tally.stored_storages.count(t, entry) - packed.nbytes()
+        if t.device.type != "cpu":
+            row.host_bytes -= packed.nbytes("cpu")
+        row.compressed -= 1
+        value = t.detach()
+        entry.value = value if value.shape == packed.shape else value.view(packed.shape)
+        entry.compressor = None
+        entry.variant = ""
+
+    def _remember(self, key: tuple[Any, ...], entry: Entry) -> None:
+        """Index a stored entry for deduplication (weakly: the graph owns the entry)."""
+        live = self._live
+        live[key] = weakref.ref(entry)
+        if len(live) > self._live_limit:
+            for k in [k for k, r in live.items() if r() is None]:
+                del live[k]
+            self._live_limit = max(1024, 2 * len(live))
+
+    def _choose(self, t: torch.Tensor, site: Site, nbytes: int) -> tuple[Compressor | None, str]:
+        """The compressor that will take ``t``, or None and why not."""
+        if nbytes < self.min_bytes:
+            return None, f"smaller than min_bytes={self.min_bytes}"
+        compressor = self.resolve(site, self._types(site))
+        if compressor is None:
+            return None, ""
+        if not site.op and not t.requires_grad and not compressor.lossless:
+            return None, CONSTANT_REASON
+        if site.op == SDPA and not compressor.lossless:
+            call = site.opcall
+            if save_kind(SDPA, site.role, t, call.args) != "source":
+                return None, FUSED_OUTPUT_REASON
+            if not may_replay_attention(t.device, call.args, dict(call.kwargs)):
+                return None, FUSED_EXACT_REASON
+        reasons = compressor.unsupported(t, site)
+        if reasons:
+            return None, "; ".join(reasons)
+        return compressor, ""
+
+    def _store(
+        self,
+        t: torch.Tensor,
+        site: Site,
+        row: Row,
+        compressor: Compressor | None,
+        reason: str,
+    ) -> Entry:
+        """Store ``t`` (its bytes are counted by :meth:`_count`)."""
+        value: torch.Tensor | Packed = t.detach()
+        if compressor is not None:
+            try:
+                out = compressor.compress(t.detach(), site)
+            except KEEP_TYPE as e:
+                e.add_note(messages.compress_note(self.resolve, compressor, site, t))
+                raise
+            except Exception as e:
+                raise messages.compress_error(self.resolve, compressor, site, t, e) from e
+            if isinstance(out, Packed):
+                value = out
+                row.compressed += 1
+            else:
+                reason = f"{compressor.name} declined it"
+                compressor = None
+        if reason:
+            row.declined[reason] += 1
+        entry = Entry(
+            value,
+            compressor,
+            site,
+            t._version,
+            t if self.dedupe else None,
+            watched=t if isinstance(value, Packed) else None,
+        )
+        entry.reason = reason
+        return entry
+
+    def unpack(self, saved: Saved) -> torch.Tensor:
+        value = self._restore(saved.entry)
+        return value if saved.shape is None else value.reshape(saved.shape)
+
+    def _restore(self, entry: Entry) -> torch.Tensor:
+        value = entry.value
+        if value is RELEASED:
+            raise messages.released_error(entry.site)
+        version = entry.modified()
+        if version is not None:
+            self._release(entry)
+            shape = tuple(value.shape)
+            raise messages.modified_error(entry.site, shape, version, entry.version)
+        if isinstance(value, Recomputed):
+            out = entry.cache
+            if out is None:
+                operands = [self._restore(e).reshape(shape) for e, shape in value.sources]
+                try:
+                    out = value.recipe(*operands).reshape(value.shape)
+                except RuntimeError as e:
+                    e.add_note(messages.recompute_note(entry.site, value.shape))
+                    raise
+            entry.pending -= 1
+            entry.cache = out if entry.pending > 0 else None
+            return out
+        if isinstance(value, torch.Tensor):
+            return value
+        compressor = entry.compressor
+        assert compressor is not None
+        try:
+            return compressor.decompress(value)
+        except KEEP_TYPE as e:
+            gone = self._release(entry)
+            e.add_note(messages.restore_note(self.resolve, compressor, entry.site, value, gone))
+            raise
+        except Exception as e:
+            gone = self._release(entry)
+            raise messages.restore_error(
+                self.resolve, compressor, entry.site, value, gone, e
+            ) from e
+
+    # -- faults -------------------------------------------------------------------------------
+
+    def _release(self, entry: Entry) -> str:
+        """Release what the failing entry's forward pass stored; says what went back."""
+        graph = entry.graph
+        count, nbytes = graph.release() if graph is not None else (0, 0)
+        return messages.released(count, nbytes)

@@ -1,0 +1,201 @@
+"""Scoping and site naming: which module and op call is running when autograd saves a tensor.
+
+Module hooks push a frame per module call (the outermost one activates the engine: its
+saved-tensor hooks and the op tracker); the pack hook names the save's :class:`Site` from the
+innermost frame and the running op call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..derive import CARRY_OPS
+from ..optrack import STATE as OP_STATE
+from ..optrack import OpTracker, role_of, wait_for, watching
+from ..packed import storage_base
+from ..site import NO_CALL, OpCall, Site
+from .entries import Graph
+
+if TYPE_CHECKING:
+    from .entries import Saved
+    from .recompute import Derivation
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    qualname: str
+    tag: str
+    type_name: str
+    index: int
+    type_names: frozenset[str]
+
+
+NO_MODULE = ModuleInfo("", "", "", -1, frozenset())
+
+
+def recomputing() -> bool:
+    """In backward under another saved-tensor hook: a non-reentrant checkpoint recomputing its
+    forward. What that forward saves belongs to the checkpoint's hook, which matches it against
+    the first forward's saves; the engine must not take it over."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if task is None or top is None or task() == -1:
+        return False
+    return top(False) is not None
+
+
+@dataclass
+class Frame:
+    info: ModuleInfo
+    call: int
+    owner: object
+    exit: contextlib.ExitStack | None = None
+
+
+class ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.frames: list[Frame] = []
+        self.active = 0  # activations of this engine on this thread
+        self.calls: Counter[int] = Counter()
+        self.op_counts: Counter[str] = Counter()
+        self.last_call = -1
+        self.ordinal = 0
+        self.graph: Graph | None = None  # the forward pass now storing
+        #: the derive op call whose saves are being collected
+        self.deriving: Derivation | None = None
+
+
+class Scoping:
+    """The engine's scoping and site naming (a part of :class:`~.core.Engine`)."""
+
+    _tls: ThreadState
+    _skip: set[int]
+    _skip_ptrs: Callable[[], set[int]] | None
+    dedupe: bool
+
+    if TYPE_CHECKING:
+
+        def pack(self, t: torch.Tensor) -> Saved: ...
+        def unpack(self, saved: Saved) -> torch.Tensor: ...
+        def _carry_recipe(
+            self, func: Callable[..., Any], args: Any, kwargs: dict[str, Any], result: Any
+        ) -> None: ...
+
+    @property
+    def active(self) -> bool:
+        return self._tls.active > 0
+
+    @contextlib.contextmanager
+    def activated(self) -> Iterator[None]:
+        with self._activation():
+            yield
+
+    def _activation(self) -> contextlib.ExitStack:
+        """Enter the hooks and the op tracker; the returned stack exits them."""
+        stack = contextlib.ExitStack()
+        tls = self._tls
+        if tls.active == 0:
+            tls.calls.clear()
+            tls.op_counts.clear()
+            tls.graph = Graph()
+            self._skip = self._skip_ptrs() if self._skip_ptrs else set()
+        if tls.active == 0 and self.dedupe:
+            stack.enter_context(watching(CARRY_OPS, self._carry_recipe))
+        tls.active += 1
+        stack.callback(self._deactivate)
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
+        if OP_STATE.depth == 0:
+            stack.enter_context(OpTracker())
+            OP_STATE.depth += 1
+            stack.callback(leave_tracker)
+        return stack
+
+    def _deactivate(self) -> None:
+        self._tls.active -= 1
+
+    def enter_module(self, info: ModuleInfo, owner: object) -> None:
+        """Called before a module's forward: activates the engine if this is the outermost call."""
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            return
+        tls = self._tls
+        if not tls.active and recomputing():
+            return
+        exit_stack = None if tls.active else self._activation()
+        if exit_stack is not None:
+            exit_stack.__enter__()
+        key = id(owner)
+        call = tls.calls[key]
+        tls.calls[key] += 1
+        tls.frames.append(Frame(info, call, owner, exit=exit_stack))
+
+    def exit_module(self, owner: object) -> None:
+        """Called after a module's forward (also when it raised): pops its frame and above."""
+        frames = self._tls.frames
+        for i in range(len(frames) - 1, -1, -1):
+            if frames[i].owner is owner:
+                popped = frames[i:]
+                del frames[i:]
+                for f in reversed(popped):
+                    if f.exit is not None:
+                        f.exit.close()
+                return
+
+    def _site(self, t: torch.Tensor) -> Site:
+        tls = self._tls
+        frame = tls.frames[-1] if tls.frames else None
+        info = frame.info if frame else NO_MODULE
+        op, func = OP_STATE.op, OP_STATE.raw
+        op_index = -1
+        if tls.last_call != OP_STATE.call_id:  # the first tensor this op call saves
+            tls.last_call = OP_STATE.call_id
+            tls.ordinal = 0
+            if op:
+                tls.op_counts[op] += 1
+        else:
+            tls.ordinal += 1
+        ordinal = tls.ordinal
+        if op:
+            op_index = tls.op_counts[op] - 1
+        return Site(
+            module=info.qualname,
+            tag=info.tag,
+            module_type=info.type_name,
+            module_index=info.index,
+            op=op,
+            func=func,
+            op_index=op_index,
+            role=role_of(t) if op else "",
+            ordinal=ordinal,
+            call=frame.call if frame else 0,
+            training=bool(getattr(frame.owner, "training", True)) if frame else True,
+            opcall=op_call() if op else NO_CALL,
+        )
+
+    def skip_module_state(self, module: torch.nn.Module) -> None:
+        """Never compress ``module``'s own parameters and buffers (or views of them)."""
+        for p in module.parameters(recurse=False):
+            self._skip.add(storage_base(p))
+        for b in module.buffers(recurse=False):
+            self._skip.add(storage_base(b))
+
+    def _types(self, site: Site) -> frozenset[str]:
+        frames = self._tls.frames
+        return frames[-1].info.type_names if frames else frozenset()
+
+
+def op_call() -> OpCall:
+    """The running op's call, for the site of what it saves."""
+    state = OP_STATE
+    return OpCall(tuple(state.args), state.kwargs, functools.partial(wait_for, state.call_id))
+
+
+def leave_tracker() -> None:
+    OP_STATE.depth -= 1

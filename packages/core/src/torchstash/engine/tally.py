@@ -1,0 +1,62 @@
+"""Per-module accounting of what autograd saved: stock's bytes, the bytes kept, and why."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ..packed import StorageLedger
+from ..site import Site
+
+
+@dataclass
+class Row:
+    """Accounting for one module (or the top level)."""
+
+    module: str
+    module_type: str
+    saved: int = 0  # tensors autograd saved here (dedupe hits included)
+    shared: int = 0  # of which were already stored (same tensor saved by another op)
+    raw_bytes: int = 0  # bytes as stock PyTorch would hold them (each storage once)
+    stored_bytes: int = 0  # bytes actually held (the storages of what is kept, each once)
+    host_bytes: int = 0  # of stored_bytes, held in host memory for an accelerator tensor
+    compressed: int = 0  # tensors a compressor packed
+    derived: int = 0  # tensors kept as a recompute from another op's stored input (no bytes)
+    declined: Counter[str] = field(default_factory=Counter)  # reason -> count
+    ops: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+
+class Tally:
+    """Per-module accounting, plus the parameters autograd referenced (never counted as raw)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, Row] = {}
+        self.param_refs = 0
+        self._lock = threading.Lock()
+        #: the storages counted in raw_bytes and in stored_bytes, each once while held
+        self.raw_storages = StorageLedger()
+        self.stored_storages = StorageLedger()
+
+    def row(self, site: Site) -> Row:
+        r = self.rows.get(site.module)
+        if r is None:
+            r = self.rows[site.module] = Row(site.module, site.module_type)
+        return r
+
+    def reset(self) -> None:
+        with self._lock:
+            self.rows.clear()
+            self.param_refs = 0
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(r.raw_bytes for r in self.rows.values())
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(r.stored_bytes for r in self.rows.values())
