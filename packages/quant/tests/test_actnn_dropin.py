@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import torchstash as ts
-import torchstash_quant.actnn as actnn
+import torchstash_quant.compat.actnn as actnn
 from torchstash.bench.zoo import zoo
 from torchstash.errors import OptionError
 

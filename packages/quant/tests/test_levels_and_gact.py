@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import torchstash as ts
-import torchstash_quant.gact as gact
+import torchstash_quant.compat.gact as gact
 from torchstash.bench.zoo import zoo
 from torchstash.errors import OptionError
 

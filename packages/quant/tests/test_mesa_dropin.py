@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import torchstash as ts
-import torchstash_quant.mesa as ms
+import torchstash_quant.compat.mesa as ms
 
 POLICY = """
 on gelu:

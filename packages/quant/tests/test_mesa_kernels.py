@@ -17,7 +17,7 @@ from torchstash.layout import memory_order, restore
 from torchstash.packed import Packed
 from torchstash.testing.bits import assert_bits_equal
 from torchstash_quant import MesaQuantizer
-from torchstash_quant.mesa.codec import _NAN, _NEG_INF, _POS_INF, LEVELS
+from torchstash_quant.mesa_codec import _NAN, _NEG_INF, _POS_INF, LEVELS
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

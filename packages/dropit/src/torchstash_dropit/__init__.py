@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ._options import FILLS, SCOPES, STORAGES
 from ._version import __version__
-from .convert import to_dropit
+from .compat import to_dropit
 from .mink import MinK
 from .randomdrop import RandomDrop
 from .strategies import register

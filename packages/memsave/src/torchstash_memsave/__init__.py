@@ -13,11 +13,8 @@ constructors are the drop-in for memsave_torch's users.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ._version import __version__
 from .compat import convert_to_memory_saving
-from .functional.act import RELU_MASK, RELU_OP
 from .modules import (
     MemSave,
     MemSaveAdaptiveAvgPool1d,
@@ -49,10 +46,8 @@ from .modules import (
     MemSaveRMSNorm,
     MemSaveSyncBatchNorm,
 )
-from .rewriter import MemSaveRewriter, memsave
-
-if TYPE_CHECKING:
-    from torchstash.registry import Registry
+from .rewriter import MemSaveRewriter
+from .strategies import register
 
 __all__ = [
     "MemSave",
@@ -89,19 +84,3 @@ __all__ = [
     "convert_to_memory_saving",
     "register",
 ]
-
-
-def register(registry: Registry) -> None:
-    """Register the ``memsave`` strategy."""
-    registry.register(
-        "memsave",
-        memsave,
-        lossless=True,
-        summary="layers that save only what this step's gradients need (exact)",
-        candidate=True,
-    )
-    registry.register_op_default(
-        RELU_OP,
-        lambda: RELU_MASK,
-        summary="memsave's ReLU under the engine: a 1-bit mask of its output (exact)",
-    )

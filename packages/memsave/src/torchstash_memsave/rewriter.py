@@ -40,32 +40,3 @@ class MemSaveRewriter:
             module.__class__ = original
 
         return Swapped(module, undo)
-
-
-def memsave(
-    conv: bool = True,
-    batchnorm: bool = True,
-    layernorm: bool = True,
-    groupnorm: bool = True,
-    rmsnorm: bool = True,
-    relu: bool = True,
-    dropout: bool = True,
-    maxpool: bool = True,
-    avgpool: bool = True,
-) -> MemSaveRewriter:
-    """The ``memsave`` strategy; each flag turns one layer family off."""
-    flags = {
-        "conv": conv,
-        "batchnorm": batchnorm,
-        "layernorm": layernorm,
-        "groupnorm": groupnorm,
-        "rmsnorm": rmsnorm,
-        "relu": relu,
-        "dropout": dropout,
-        "maxpool": maxpool,
-        "avgpool": avgpool,
-    }
-    for flag, value in flags.items():
-        if not isinstance(value, bool):
-            raise OptionError(f"memsave: option {flag}={value!r} must be True or False")
-    return MemSaveRewriter(frozenset(f for f, on in flags.items() if on))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from ._version import __version__
 from .fp8 import Fp8Quantizer
 from .groupwise import GroupQuantizer
-from .mesa.codec import MesaQuantizer
+from .mesa_codec import MesaQuantizer
 from .opaware import OpAware
 from .strategies import register
 

@@ -17,8 +17,8 @@ from .derivs import DerivCoder
 from .fp8 import Fp8Quantizer
 from .groupwise import GroupQuantizer
 from .levels import LEVELS, SUMMARIES, OnlyOps
-from .mesa.codec import MesaQuantizer
-from .mesa.format import parse_mesa
+from .mesa_codec import MesaQuantizer
+from .mesa_format import parse_mesa
 from .opaware import OpAware
 
 if TYPE_CHECKING:

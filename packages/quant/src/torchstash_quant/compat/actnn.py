@@ -1,6 +1,6 @@
 """Drop-in for ActNN users: ``set_optimization_level``, ``QModule``, ``config`` and the Q-layers.
 
-    import torchstash_quant.actnn as actnn
+    import torchstash_quant.compat.actnn as actnn
     actnn.set_optimization_level("L3")
     model = actnn.QModule(model)          # weights kept (ActNN built fresh layers)
 
@@ -21,7 +21,7 @@ from torch import nn
 import torchstash as ts
 from torchstash.errors import OptionError
 
-from .levels import LEVELS
+from ..levels import LEVELS
 
 
 class QuantizationConfig:

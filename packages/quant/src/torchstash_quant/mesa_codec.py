@@ -31,8 +31,8 @@ from torchstash.packed import Packed
 from torchstash.seeds import SeedStream
 from torchstash.site import Site
 
-from .._dtypes import dtype_reasons
-from .._options import check_fraction
+from ._dtypes import dtype_reasons
+from ._options import check_fraction
 
 LEVELS = 252
 _NEG_INF, _POS_INF, _NAN = 253, 254, 255

@@ -1,6 +1,6 @@
 """Drop-in for GACT users: ``Controller(model)`` with ``install_hook``, ``iterate``, ``uninstall_hook``.
 
-    import torchstash_quant.gact as gact
+    import torchstash_quant.compat.gact as gact
     gact.set_optimization_level("L1")        # 4-bit
     controller = gact.Controller(model)
     controller.install_hook()

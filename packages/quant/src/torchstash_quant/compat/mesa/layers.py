@@ -1,7 +1,7 @@
 """Mesa's layers: the torch layers with a ``quant_groups`` setting, plus ``MatMul``.
 
 They compute exactly what the torch layers compute (they are subclasses); ``quant_groups``
-only tells :func:`torchstash_quant.mesa.policy.deploy_on_init` how many channel groups to
+only tells :func:`torchstash_quant.compat.mesa.policy.deploy_on_init` how many channel groups to
 quantize this layer's saved tensors in. Functional code needs none of them: torchstash
 reaches ``q @ k.transpose(-2, -1)`` and ``attn.softmax(-1)`` where they are written.
 """

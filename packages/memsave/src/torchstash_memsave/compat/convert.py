@@ -14,6 +14,8 @@ from torch import nn
 
 from torchstash.errors import OptionError
 
+from .._options import check_flag
+
 
 def convert_to_memory_saving(
     model: nn.Module,
@@ -55,8 +57,7 @@ def convert_to_memory_saving(
         "verbose": verbose,
     }
     for flag, value in flags.items():
-        if not isinstance(value, bool):
-            raise OptionError(f"convert_to_memory_saving: {flag}={value!r} must be True or False")
+        check_flag(value, flag, "convert_to_memory_saving")
     convs = {conv1d, conv2d, conv3d}
     if len(convs) > 1:
         raise OptionError(

@@ -1,4 +1,4 @@
-"""Drop-in for Mesa users: ``import torchstash_quant.mesa as ms``.
+"""Drop-in for Mesa users: ``import torchstash_quant.compat.mesa as ms``.
 
     ms.policy.convert_by_num_groups(model, 3)
     ms.policy.deploy_on_init(model, "policy.txt", verbose=print)
@@ -9,8 +9,8 @@ and :class:`MesaQuantizer`, the ``quant.mesa`` codec.
 
 from __future__ import annotations
 
+from ...mesa_codec import MesaQuantizer
 from . import policy
-from .codec import MesaQuantizer
 from .layers import GELU, BatchNorm2d, Conv2d, LayerNorm, Linear, MatMul, ReLU, Softmax
 
 __all__ = [

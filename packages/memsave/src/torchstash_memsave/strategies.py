@@ -1,0 +1,56 @@
+"""The memsave strategy's factory, and ``register`` (the plug-in's entry point)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ._options import check_flag
+from .functional.act import RELU_MASK, RELU_OP
+from .rewriter import MemSaveRewriter
+
+if TYPE_CHECKING:
+    from torchstash.registry import Registry
+
+
+def memsave(
+    conv: bool = True,
+    batchnorm: bool = True,
+    layernorm: bool = True,
+    groupnorm: bool = True,
+    rmsnorm: bool = True,
+    relu: bool = True,
+    dropout: bool = True,
+    maxpool: bool = True,
+    avgpool: bool = True,
+) -> MemSaveRewriter:
+    """The ``memsave`` strategy; each flag turns one layer family off."""
+    flags = {
+        "conv": conv,
+        "batchnorm": batchnorm,
+        "layernorm": layernorm,
+        "groupnorm": groupnorm,
+        "rmsnorm": rmsnorm,
+        "relu": relu,
+        "dropout": dropout,
+        "maxpool": maxpool,
+        "avgpool": avgpool,
+    }
+    for flag, value in flags.items():
+        check_flag(value, flag, "memsave")
+    return MemSaveRewriter(frozenset(f for f, on in flags.items() if on))
+
+
+def register(registry: Registry) -> None:
+    """Register the ``memsave`` strategy, and the default code of memsave's ReLU."""
+    registry.register(
+        "memsave",
+        memsave,
+        lossless=True,
+        summary="layers that save only what this step's gradients need (exact)",
+        candidate=True,
+    )
+    registry.register_op_default(
+        RELU_OP,
+        lambda: RELU_MASK,
+        summary="memsave's ReLU under the engine: a 1-bit mask of its output (exact)",
+    )
