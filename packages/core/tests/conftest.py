@@ -41,13 +41,21 @@ def toy_strategies() -> Iterator[list[str]]:
 # -- compiled kernels -------------------------------------------------------------------------
 
 
+def _unavailable(reason: str) -> None:
+    """Skips, unless ``TORCHSTASH_KERNELS=require`` (a GPU check): then a kernel that did not
+    build, or was built without the device, fails the test instead of passing as a skip."""
+    if env.get(env.KERNELS, "").lower() == "require":
+        pytest.fail(f"{env.KERNELS}=require, but {reason}")
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="module")
 def built() -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(env.KERNELS, "auto")
         info = loader.status()
     if not info["built"]:
-        pytest.skip("compiled kernels unavailable: " + "; ".join(info["reasons"]))
+        _unavailable("compiled kernels unavailable: " + "; ".join(info["reasons"]))
 
 
 @pytest.fixture
@@ -60,5 +68,5 @@ def kernels_on(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
 def kernel(kernels_on: None, device: torch.device) -> Iterator[None]:
     """As ``kernels_on``, and the kernels serve ``device``."""
     if not loader.available(device):
-        pytest.skip(f"kernels built without {device.type} support")
+        _unavailable(f"kernels built without {device.type} support")
     yield

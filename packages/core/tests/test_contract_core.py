@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from torchstash.compressor import Composed, Compressor
 from torchstash.offload import CpuOffload
-from torchstash.testing.contract import CompressorContract
+from torchstash.plan import Swapped
+from torchstash.testing.contract import CompressorContract, RewriterContract
 from torchstash.testing.toys import CloneCompressor, HalfCompressor
 
 
@@ -49,3 +51,49 @@ class TestOffload(CompressorContract):
 
     def expect_smaller(self, dtype: torch.dtype) -> bool:
         return False
+
+
+class _ToyReLU(torch.nn.ReLU):
+    """A ReLU subclass that computes the same: what a rewriter swaps in, at its simplest."""
+
+
+class _ReLUSwap:
+    name = "toy.relu"
+
+    def rewrite(self, module: torch.nn.Module) -> Swapped | None:
+        if type(module) is not torch.nn.ReLU:
+            return None
+        module.__class__ = _ToyReLU
+
+        def undo() -> None:
+            module.__class__ = torch.nn.ReLU
+
+        return Swapped(module, undo)
+
+
+class _FreshLinear:
+    """A broken rewriter: a new Linear with its own Parameters (an optimizer built on the
+    model's would miss them, and the state_dict loses the trained weights)."""
+
+    name = "toy.fresh"
+
+    def rewrite(self, module: torch.nn.Module) -> torch.nn.Module | None:
+        if isinstance(module, torch.nn.Linear):
+            return torch.nn.Linear(module.in_features, module.out_features)
+        return None
+
+
+class TestToyRewriter(RewriterContract):
+    def make_rewriter(self) -> object:
+        return _ReLUSwap()
+
+
+def test_the_rewriter_contract_catches_a_rewriter_that_drops_the_parameters() -> None:
+    class Broken(RewriterContract):
+        def make_rewriter(self) -> object:
+            return _FreshLinear()
+
+    with pytest.raises(AssertionError):
+        Broken().test_rewrites_and_keeps_the_models_state()
+    with pytest.raises(AssertionError):
+        Broken().test_gradients_and_outputs_match_stock(frozen=False)

@@ -455,3 +455,14 @@ def test_bench_smoke(kernels_on: None) -> None:
     assert [r.bits for r in rows if r.copy] == [8, 8]
     assert bench.failures(rows, 1e9) == [r for r in rows if not r.copy]
     assert "philox_uniform" in bench.format_table(rows)
+
+
+@pytest.mark.cuda
+def test_bench_times_every_suite_on_cuda(kernels_on: None) -> None:
+    """``--device cuda`` (what scripts/gpu-check runs): every suite's case on the GPU."""
+    from torchstash.kernels import bench
+
+    rows = bench.run(mib=0.25, repeat=1, suites=bench.SUITES, device="cuda")
+    assert {r.op for r in rows} >= {"pack_bits", "group_quantize", "channel_quantize", "topk_mask"}
+    assert all(r.ref_ms > 0 and r.kernel_ms > 0 for r in rows)
+    assert bench.main(["--mib", "0.25", "--repeat", "1", "--device", "cuda"]) == 0

@@ -1,7 +1,8 @@
-"""CPU benchmark: compiled kernels against the pure-PyTorch reference.
+"""Compiled kernels against the pure-PyTorch reference, on the CPU or a GPU.
 
 ``python -m torchstash.kernels.bench [--mib 64] [--repeat 5] [--threads N] [--json]
-[--check RATIO] [--suite bitpack|groupquant|channelquant|sparse]``. Sizes are of the unpacked side:
+[--check RATIO] [--suite bitpack|groupquant|channelquant|sparse] [--device cpu|cuda]``.
+On a GPU every timed call ends with a device synchronisation, so a time is the whole op's. Sizes are of the unpacked side:
 ``mib`` MiB of uint8 codes for pack/unpack, ``mib`` MiB of float32 output for philox_uniform,
 ``mib`` MiB of float32 input (quantize) or output (dequantize, group size 256) for the
 ``groupquant`` suite, ``mib`` MiB of float32 input or output for the ``channelquant`` suite
@@ -29,6 +30,7 @@ import torch
 
 from torchstash.errors import KernelUnavailable
 
+from .loader import require
 from .bitpack import pack_bits, unpack_bits
 from .channelquant import channel_dequantize, channel_minmax, channel_quantize
 from .groupquant import group_dequantize, group_quantize
@@ -64,9 +66,18 @@ class BenchRow:
 _WRITE_BOUND_OPS = frozenset({"offsets_scatter"})
 
 
-def _ms(fn: Callable[[], object]) -> float:
+def _sync_for(device: torch.device) -> Callable[[], None]:
+    """What ends a timed call: nothing on the CPU, a synchronisation on a GPU."""
+    if device.type == "cuda":
+        return partial(torch.cuda.synchronize, device)
+    return lambda: None
+
+
+def _ms(fn: Callable[[], object], sync: Callable[[], None]) -> float:
+    sync()
     start = time.perf_counter()
     fn()
+    sync()
     return (time.perf_counter() - start) * 1e3
 
 
@@ -77,12 +88,13 @@ def _row(
     ref: Callable[[], object],
     kernel: Callable[[], object],
     repeat: int,
+    sync: Callable[[], None],
 ) -> BenchRow:
     ref(), kernel()  # warm-up: page faults, thread pools, first-call dispatch
     ref_ms, kernel_ms = [], []
     for _ in range(max(1, repeat)):
-        ref_ms.append(_ms(ref))
-        kernel_ms.append(_ms(kernel))
+        ref_ms.append(_ms(ref, sync))
+        kernel_ms.append(_ms(kernel, sync))
     ref_med, kernel_med = statistics.median(ref_ms), statistics.median(kernel_ms)
     copy = (bits == 8 and op in _COPY_OPS) or op in _WRITE_BOUND_OPS
     note = ""
@@ -103,13 +115,13 @@ _Case = (
 )
 
 
-def _cases(mib: float, seed: int) -> list[_Case]:
+def _cases(mib: float, seed: int, dev: torch.device) -> list[_Case]:
     """Every benchmarked case, inputs included."""
     n = int(mib * 2**20)
     gen = torch.Generator().manual_seed(seed)
     cases: list[_Case] = []
     for bits in (1, 2, 4, 8):
-        codes = torch.randint(0, 2**bits, (n,), dtype=torch.uint8, generator=gen)
+        codes = torch.randint(0, 2**bits, (n,), dtype=torch.uint8, generator=gen).to(dev)
         packed = pack_bits(codes, bits, impl="kernel")
         cases.append(
             ("pack_bits", bits, partial(pack_bits, codes, bits, impl="ref"),
@@ -120,16 +132,17 @@ def _cases(mib: float, seed: int) -> list[_Case]:
              partial(unpack_bits, packed, bits, n, impl="kernel"))
         )  # fmt: skip
     cases.append(
-        ("philox_uniform", None, partial(philox_uniform, n // 4, 1234, 5, impl="ref"),
-         partial(philox_uniform, n // 4, 1234, 5, impl="kernel"))
+        ("philox_uniform", None,
+         partial(philox_uniform, n // 4, 1234, 5, device=dev, impl="ref"),
+         partial(philox_uniform, n // 4, 1234, 5, device=dev, impl="kernel"))
     )  # fmt: skip
     return cases
 
 
-def _group_cases(mib: float, seed: int) -> list[_Case]:
+def _group_cases(mib: float, seed: int, dev: torch.device) -> list[_Case]:
     """group_quantize and group_dequantize on ``mib`` MiB of float32, group size 256."""
     n = int(mib * 2**20) // 4
-    x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dev)
     cases: list[_Case] = []
     for bits in (2, 8):
         q = group_quantize(x, bits, seed=1234, impl="kernel")
@@ -145,7 +158,7 @@ def _group_cases(mib: float, seed: int) -> list[_Case]:
     return cases
 
 
-def _channel_cases(mib: float, seed: int) -> list[_Case]:
+def _channel_cases(mib: float, seed: int, dev: torch.device) -> list[_Case]:
     """The three channel ops on ``mib`` MiB of float32: (16, 16, inner) per head, then
     (outer, 512) per channel (inner 1); stochastic rounding, Mesa's lo and step."""
     n = int(mib * 2**20) // 4
@@ -155,7 +168,7 @@ def _channel_cases(mib: float, seed: int) -> list[_Case]:
         (16, n // 256, f"heads: C=16, inner={n // 256}"),
         (512, 1, "channels: C=512, inner=1"),
     ):
-        x = torch.randn(n // (channels * inner) * channels * inner, generator=gen)
+        x = torch.randn(n // (channels * inner) * channels * inner, generator=gen).to(dev)
         mn, mx = channel_minmax(x, inner, channels, impl="kernel")
         step = (mx - mn) / 252
         codes = channel_quantize(x, mn, step, inner, seed=1234, impl="kernel")
@@ -173,11 +186,11 @@ def _channel_cases(mib: float, seed: int) -> list[_Case]:
     return cases
 
 
-def _sparse_cases(mib: float, seed: int) -> list[_Case]:
+def _sparse_cases(mib: float, seed: int, dev: torch.device) -> list[_Case]:
     """topk_mask on ``mib`` MiB of float32: one segment (exact and at bfloat16 precision),
     rows of 1024 and rows of 64; then the storage ops on a 10% mask of one segment."""
     n = int(mib * 2**20) // 4 // 1024 * 1024
-    x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dev)
     cases: list[_Case] = []
     for segments, k, exact, note in (
         (1, n // 100, True, "1 segment, k = 1%"),
@@ -214,9 +227,11 @@ def run(
     *,
     check: float = 0.0,
     suites: Sequence[str] = ("bitpack",),
+    device: torch.device | str = "cpu",
 ) -> list[BenchRow]:
-    """Times every op of ``suites`` (see SUITES); raises KernelUnavailable when the kernels
-    cannot be built. The command line runs every suite.
+    """Times every op of ``suites`` (see SUITES) on ``device``; raises KernelUnavailable when
+    the kernels cannot be built (or were built without that device). The command line runs
+    every suite.
 
     With ``check > 0``, a non-copy row below ``check`` is measured once more with twice
     the runs and the new row kept.
@@ -226,20 +241,23 @@ def run(
         raise ValueError(
             f"unknown bench suite(s) {unknown}; allowed values are {', '.join(SUITES)}"
         )
+    dev = torch.device(device)
+    require(dev)
     cases: list[_Case] = []
     if "bitpack" in suites:
-        cases += _cases(mib, seed)
+        cases += _cases(mib, seed, dev)
     if "groupquant" in suites:
-        cases += _group_cases(mib, seed)
+        cases += _group_cases(mib, seed, dev)
     if "channelquant" in suites:
-        cases += _channel_cases(mib, seed)
+        cases += _channel_cases(mib, seed, dev)
     if "sparse" in suites:
-        cases += _sparse_cases(mib, seed)
+        cases += _sparse_cases(mib, seed, dev)
+    sync = _sync_for(dev)
     rows = []
     for op, bits, ref, kernel, *note in cases:
-        row = _row(op, bits, mib, ref, kernel, repeat)
+        row = _row(op, bits, mib, ref, kernel, repeat, sync)
         if check > 0 and failures([row], check):
-            row = _row(op, bits, mib, ref, kernel, 2 * repeat)
+            row = _row(op, bits, mib, ref, kernel, 2 * repeat, sync)
         rows.append(
             replace(row, note="; ".join(filter(None, (note[0], row.note)))) if note else row
         )
@@ -277,18 +295,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--suite", action="append", choices=SUITES, help="a case family (repeatable; default: all)"
     )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     args = parser.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)  # the kernels use at::get_num_threads() too
     try:
-        rows = run(args.mib, args.repeat, check=args.check, suites=args.suite or SUITES)
+        rows = run(
+            args.mib, args.repeat, check=args.check, suites=args.suite or SUITES, device=args.device
+        )
     except KernelUnavailable as exc:
         print(f"cannot benchmark: {exc}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=2))
     else:
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+        dev = torch.device(args.device)
+        where = (
+            torch.cuda.get_device_name(dev)
+            if dev.type == "cuda"
+            else f"{torch.get_num_threads()} threads"
+        )
+        print(f"torch {torch.__version__}, {where}")
         print(format_table(rows))
     slow = failures(rows, args.check) if args.check > 0 else []
     for r in slow:

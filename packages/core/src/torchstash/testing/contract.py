@@ -14,7 +14,7 @@ If a test here fails, the docstring of the test says what the contract expects.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -202,3 +202,141 @@ class CompressorContract:
         else:
             cos = torch.nn.functional.cosine_similarity(ref, got, dim=0).item()
             assert cos >= self.min_grad_cosine, f"gradient cosine {cos:.5f}"
+
+
+def _contract_model() -> nn.Module:
+    """Every layer family a rewriter may know: convs (a depthwise one), BatchNorm, in-place
+    ReLU, pooling, dropout, LayerNorm and Linear."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(8, 8, 3, padding=1, groups=8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Dropout(0.25),
+        nn.Flatten(),
+        nn.LayerNorm(8 * 8 * 8),
+        nn.Linear(8 * 8 * 8, 10),
+    )
+
+
+class RewriterContract:
+    """The contract every rewriter passes (a strategy that swaps modules, as memsave's does).
+    Subclass it once per rewriter and set the knobs:
+
+        class TestMemSave(RewriterContract):
+            def make_rewriter(self):
+                return MemSaveRewriter()
+
+    It is applied through ``torchstash.apply`` (registered in-process for the test), as a user
+    would, on :meth:`make_model` (override it to bring the layers the rewriter knows).
+    """
+
+    #: gradients equal stock's bit for bit
+    lossless: ClassVar[bool] = True
+    #: lossy: cosine of the whole gradient to stock's at least this
+    min_grad_cosine: ClassVar[float] = 0.99
+    #: a graph under the rewriter holds at most this share of stock's (the heap's word)
+    max_held_share: ClassVar[float] = 1.0
+
+    def make_rewriter(self) -> object:
+        raise NotImplementedError("return a fresh rewriter")
+
+    def make_model(self) -> nn.Module:
+        return _contract_model()
+
+    def make_input(self) -> torch.Tensor:
+        return torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _applied(self, model: nn.Module) -> Any:
+        from ..api import apply
+        from ..registry import REGISTRY
+
+        name = f"contract.rewriter{id(self)}"
+        REGISTRY.register(name, self.make_rewriter, lossless=self.lossless, summary="contract")
+        try:
+            return apply(model, name)
+        finally:
+            REGISTRY.unregister(name)
+
+    def _step(self, model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(1)  # the same dropout draws for stock and the rewritten model
+        model.zero_grad()
+        out = model(x)
+        out.square().mean().backward()
+        grads = [p.grad.flatten() for p in model.parameters() if p.grad is not None]
+        return out.detach(), torch.cat(grads)
+
+    def _pair(self) -> tuple[nn.Module, nn.Module]:
+        torch.manual_seed(0)
+        stock = self.make_model()
+        torch.manual_seed(0)
+        return stock, self.make_model()
+
+    # -- the contract -------------------------------------------------------------------------
+
+    def test_is_a_rewriter(self) -> None:
+        """It has a name and a ``rewrite(module)`` (what a strategy's factory may return)."""
+        from ..plan import Rewriter
+
+        rewriter = self.make_rewriter()
+        assert isinstance(rewriter, Rewriter) and isinstance(rewriter.name, str)
+
+    def test_rewrites_and_keeps_the_models_state(self) -> None:
+        """Something is rewritten; the Parameters are the model's own objects and the
+        ``state_dict`` keys are unchanged; ``remove`` puts every module's class back."""
+        _, model = self._pair()
+        params = {n: p for n, p in model.named_parameters()}
+        keys = list(model.state_dict())
+        types = {n: type(m) for n, m in model.named_modules()}
+        handle = self._applied(model)
+        assert handle.rewrites, "the rewriter rewrote nothing in the contract's model"
+        now = dict(model.named_parameters())
+        assert list(now) == list(params), "the rewritten model's parameters have other names"
+        assert all(now[n] is p for n, p in params.items()), "a Parameter was replaced"
+        assert list(model.state_dict()) == keys
+        handle.remove()
+        assert {n: type(m) for n, m in model.named_modules()} == types
+
+    @pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen-features"])
+    def test_gradients_and_outputs_match_stock(self, frozen: bool) -> None:
+        """Outputs and gradients equal stock's (bit for bit if lossless), with every layer
+        trained and with the features frozen (only the head trains)."""
+        stock, model = self._pair()
+        for m in (stock, model):
+            for p in list(m.parameters())[:-4] if frozen else []:
+                p.requires_grad_(False)
+        x = self.make_input()
+        ref_out, ref = self._step(stock, x)
+        with self._applied(model):
+            out, got = self._step(model, x)
+        if self.lossless:
+            assert torch.equal(out, ref_out) and torch.equal(got, ref)
+        else:
+            cos = torch.nn.functional.cosine_similarity(ref, got, dim=0).item()
+            assert cos >= self.min_grad_cosine, f"gradient cosine {cos:.5f}"
+
+    def test_eval_mode_matches_stock(self) -> None:
+        stock, model = self._pair()
+        stock.eval()
+        model.eval()
+        x = self.make_input()
+        with torch.no_grad():
+            ref = stock(x)
+        with self._applied(model), torch.no_grad():
+            assert torch.equal(model(x), ref) if self.lossless else model(x).isfinite().all()
+
+    def test_holds_no_more_than_stock(self) -> None:
+        """The graph one step leaves holds no more than stock's, on the process heap's word
+        (an independent gauge: the allocator, not torchstash's own count)."""
+        from .heap import held_by_graph
+
+        stock, model = self._pair()
+        x = self.make_input()
+        held_stock = held_by_graph(lambda: stock(x).square().mean())
+        with self._applied(model):
+            held = held_by_graph(lambda: model(x).square().mean())
+        assert held <= self.max_held_share * held_stock + 4096, (held, held_stock)
