@@ -419,3 +419,67 @@ def test_fused_attention_not_replayed_keeps_all_its_saves_exact(
         assert row.compressed == row.ops["gelu"], row
         why_exact = sum(n for r, n in row.declined.items() if "fused attention" in r)
         assert why_exact == row.ops["scaled_dot_product_attention"], row.declined
+
+
+# ----------------------------------------------------------------- layout of restored saves
+
+
+def _saved_layouts(out: torch.Tensor) -> dict[tuple[str, str, tuple[int, ...]], list[tuple]]:
+    """Every tensor the graph behind ``out`` holds (read through the unpack hooks), by (node,
+    attribute, shape), with its strides (a size-1 dimension's stride is never read: None)."""
+    found: dict[tuple[str, str, tuple[int, ...]], list[tuple]] = {}
+    seen: set[int] = set()
+    todo = [out.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        for attr in dir(fn):
+            if not attr.startswith("_saved_"):
+                continue
+            value = getattr(fn, attr)
+            if isinstance(value, torch.Tensor) and value.dim() >= 2:
+                strides = tuple(None if n == 1 else s for n, s in zip(value.shape, value.stride()))
+                found.setdefault((fn.name(), attr, tuple(value.shape)), []).append(strides)
+        todo += [f for f, _ in fn.next_functions]
+    return found
+
+
+def _cnn(channels_last: bool) -> nn.Module:
+    """BatchNorm on 2x2 maps (quant codes it channel-major), a depthwise conv, pooling."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 64, 3, padding=1),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.Conv2d(64, 64, 3, padding=1, groups=64),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64, 10),
+    )
+    return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_restored_saves_keep_the_layout_they_were_saved_with(
+    strategy: str, channels_last: bool
+) -> None:
+    """A backward kernel reads a saved tensor with the strides stock saved it with: cuDNN's
+    BatchNorm backward rejects an input not contiguous in its suggested memory format (a
+    channel-major BatchNorm input, restored transposed, failed every quant strategy on a
+    ResNet on CUDA). Every restored save that stock's graph also holds has stock's layout."""
+    x = torch.randn(32, 3, 2, 2)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    want = _saved_layouts(_cnn(channels_last)(x))
+    model = _cnn(channels_last)
+    with ts.apply(model, strategy):
+        got = _saved_layouts(model(x))
+    shared = want.keys() & got.keys()
+    assert shared, "the strategy's graph holds none of stock's saves"
+    for key in shared:
+        assert sorted(got[key], key=repr) == sorted(want[key], key=repr), key

@@ -33,3 +33,40 @@ def restore(flat: torch.Tensor, shape: torch.Size, inverse: tuple[int, ...] | No
     for d, i in enumerate(inverse):
         order[i] = d
     return flat.view([shape[d] for d in order]).permute(inverse)
+
+
+def contiguous_strides(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a row-major contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def dense_strides(x: torch.Tensor) -> tuple[int, ...] | None:
+    """``x``'s strides when it is dense (no gaps, no overlap: contiguous in some dimension
+    order), the layout a restore must give back; None for a strided slice, whose restored copy
+    is contiguous as ``x.contiguous()`` would be."""
+    if x.layout != torch.strided or x.numel() <= 1:
+        return None
+    if x.is_contiguous() or memory_order(x)[1] is not None:
+        return tuple(x.stride())
+    return None
+
+
+def same_layout(x: torch.Tensor, strides: tuple[int, ...]) -> bool:
+    """Whether ``x`` lies in memory as ``strides`` say (the stride of a size-1 dimension is
+    never read, so it may differ)."""
+    return all(n == 1 or s == want for n, s, want in zip(x.shape, x.stride(), strides))
+
+
+def with_layout(x: torch.Tensor, strides: tuple[int, ...] | None) -> torch.Tensor:
+    """``x`` laid out as ``strides`` (a copy when it is not). Backward kernels read a saved
+    tensor with the strides it was saved with: cuDNN's BatchNorm backward, for one, rejects an
+    input that is not contiguous in its own suggested memory format, and the CPU kernels
+    choose their reduction order by layout."""
+    if strides is None or same_layout(x, strides):
+        return x
+    out = torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device)
+    return out.copy_(x)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .compressor import BaseCompressor
+from .layout import contiguous_strides, dense_strides
 from .packed import Packed
 from .site import Site
 
@@ -39,6 +40,11 @@ class CpuOffload(BaseCompressor):
 
     def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
         reasons = []
+        if not (x.is_floating_point() or x.is_complex()):
+            reasons.append(
+                f"offload.cpu moves floating-point tensors; this one is {x.dtype} (the engine "
+                "keeps integer and bool saves as they are)"
+            )
         if x.device.type != "cuda":
             reasons.append(
                 f"offload.cpu moves accelerator tensors to host memory; this one is on "
@@ -56,7 +62,14 @@ class CpuOffload(BaseCompressor):
     def compress(self, x: torch.Tensor, site: Site) -> Packed:
         side = self._stream(x.device)
         current = torch.cuda.current_stream(x.device)
-        host = torch.empty(x.shape, dtype=x.dtype, layout=x.layout, pin_memory=self.pin_memory)
+        # the host copy keeps a dense tensor's strides, so the copy back has them too
+        strides = dense_strides(x)
+        host = torch.empty_strided(
+            x.shape,
+            x.stride() if strides is not None else contiguous_strides(x.shape),
+            dtype=x.dtype,
+            pin_memory=self.pin_memory,
+        )
         side.wait_stream(current)  # x is complete before the copy starts
         with torch.cuda.stream(side):
             host.copy_(x, non_blocking=self.pin_memory)

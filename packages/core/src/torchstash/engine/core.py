@@ -18,6 +18,7 @@ import torch
 
 from ..compressor import Compressor
 from ..derive import SDPA, Recipe, may_replay_attention, save_kind
+from ..layout import dense_strides, with_layout
 from ..optrack import STATE as OP_STATE
 from ..packed import Packed, raw_nbytes, storage_base
 from ..site import Site
@@ -115,6 +116,8 @@ class Engine(Scoping, Recomputation):
             self._note_derive_save(t, entry, compressor, site)
         self._count(t, entry, row)
         entry.variant = variant
+        if not isinstance(entry.value, torch.Tensor):
+            entry.strides = dense_strides(t)
         graph = self._tls.graph
         if graph is not None:
             entry.graph = graph
@@ -257,6 +260,7 @@ class Engine(Scoping, Recomputation):
                 except RuntimeError as e:
                     e.add_note(messages.recompute_note(entry.site, value.shape))
                     raise
+                out = with_layout(out, entry.strides)
             entry.pending -= 1
             entry.cache = out if entry.pending > 0 else None
             return out
@@ -265,7 +269,7 @@ class Engine(Scoping, Recomputation):
         compressor = entry.compressor
         assert compressor is not None
         try:
-            return compressor.decompress(value)
+            return with_layout(compressor.decompress(value), entry.strides)
         except KEEP_TYPE as e:
             gone = self._release(entry)
             e.add_note(messages.restore_note(self.resolve, compressor, entry.site, value, gone))

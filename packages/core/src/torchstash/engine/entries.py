@@ -43,6 +43,7 @@ class Entry:
         "reason",
         "site",
         "source",
+        "strides",
         "value",
         "variant",
         "version",
@@ -81,6 +82,9 @@ class Entry:
         self.cache: torch.Tensor | None = None
         #: why it is stored as it is (counted in its row's ``declined``), or ""
         self.reason = ""
+        #: the saved tensor's strides, which a code or a recipe restores (see
+        #: :func:`torchstash.layout.with_layout`); None when kept as is or not dense
+        self.strides: tuple[int, ...] | None = None
 
     def modified(self) -> int | None:
         """The saved tensor's version now, when an in-place op changed it since the save."""

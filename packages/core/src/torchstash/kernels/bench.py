@@ -30,10 +30,10 @@ import torch
 
 from torchstash.errors import KernelUnavailable
 
-from .loader import require
 from .bitpack import pack_bits, unpack_bits
 from .channelquant import channel_dequantize, channel_minmax, channel_quantize
 from .groupquant import group_dequantize, group_quantize
+from .loader import require
 from .philox import philox_uniform
 from .sparse import mask_compact, mask_offsets, mask_scatter, offsets_scatter, topk_mask
 

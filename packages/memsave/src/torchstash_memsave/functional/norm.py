@@ -88,8 +88,10 @@ class BatchNormFunction(torch.autograd.Function):
             weight if keep_w else None,
             running_mean if not training else None,  # buffers: references, version-checked
             running_var if not training else None,
-            save_mean if training and keep_x else None,
-            save_invstd if training and keep_x else None,
+            # in eval these are empty and the backward kernel must get them: CUDA's asserts
+            # they are defined, and recomputes them from the running statistics when empty
+            save_mean if keep_x or not training else None,
+            save_invstd if keep_x or not training else None,
             reserve if impl != _NATIVE else None,
         )
         ctx.meta = (
