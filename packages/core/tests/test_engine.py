@@ -143,6 +143,37 @@ def test_roles_of_a_plain_matmul(recorder: Recorder) -> None:
     assert {("matmul", "input"), ("matmul", "arg1"), ("softmax", "output")} <= roles
 
 
+class _InPlaceBlock(nn.Module):
+    """A conv, then an in-place op on its output."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.conv = nn.Conv2d(4, 8, 3, padding=1)
+        self.act = nn.SiLU(inplace=True)
+        self.scale = nn.Parameter(torch.randn(1, 8, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        if self.how == "module":
+            return self.act(h)
+        if self.how == "functional":
+            return torch.nn.functional.silu(h, True)
+        return h.mul_(torch.sigmoid(self.scale))  # mul_ keeps h's old values for scale's grad
+
+
+@pytest.mark.parametrize("how", ["module", "functional", "mul_"])
+def test_in_place_op_saves_a_copy_of_its_input_as_input(recorder: Recorder, how: str) -> None:
+    """An in-place SiLU saves a copy of its input taken before overwriting it: that copy is
+    the op's input (its input-reading codes apply), not an output (timm's EfficientNet: every
+    SiLU is in place, and its pre-activations were coded as plain 2-bit values)."""
+    model = _InPlaceBlock(how)
+    with ts.apply(model, "test.recorder", min_bytes=0):
+        model(torch.randn(2, 4, 8, 8)).sum().backward()
+    copies = [s.role for s in recorder.sites if s.op in ("silu", "mul") and s.role != "arg1"]
+    assert copies == ["input"], copies
+
+
 def test_tensor_saved_twice_is_stored_once(toy_strategies: list[str]) -> None:
     class ThreeHeads(nn.Module):
         def __init__(self) -> None:

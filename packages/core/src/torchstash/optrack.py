@@ -13,6 +13,7 @@ so every op inside is seen under its own name (see :func:`opened`).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -286,11 +287,47 @@ def op_argument(name: str, position: int, default: Any = None) -> Any:
     return default
 
 
+#: Ops whose in-place form saves a copy of its input, taken before the input is overwritten
+#: (``silu_`` and ``mul_`` read the original values in backward): that copy is the op's input.
+INPLACE_COPY_OPS = frozenset({"silu", "mul"})
+_inplace_positions: dict[Any, int | None] = {}
+
+
+def _inplace_position(func: Callable[..., Any]) -> int | None:
+    """Where ``func`` takes ``inplace`` positionally (``F.silu(x, True)``), cached."""
+    if func not in _inplace_positions:
+        try:
+            names = list(inspect.signature(func).parameters)
+        except (TypeError, ValueError):  # a builtin without a signature
+            names = []
+        _inplace_positions[func] = names.index("inplace") if "inplace" in names else None
+    return _inplace_positions[func]
+
+
+def in_place(state: OpState | None = None) -> bool:
+    """Whether the op running now writes its result into its first argument."""
+    state = state or STATE
+    if state.raw.endswith("_") and not state.raw.endswith("__"):
+        return True  # relu_, Tensor.mul_
+    if state.raw.startswith("__i"):
+        return True  # Tensor.__imul__
+    if state.kwargs.get("inplace") is True:
+        return True
+    if state.func is None:
+        return False
+    pos = _inplace_position(state.func)
+    return pos is not None and len(state.args) > pos and state.args[pos] is True
+
+
 def role_of(t: torch.Tensor) -> str:
     """``input`` or ``argN`` when the tensor is (a view of) the op's N-th tensor argument;
-    ``output`` for anything the op made (its result, or a copy it took of an argument)."""
+    ``output`` for anything the op made (its result, or a mask or index it computed). An
+    in-place op of :data:`INPLACE_COPY_OPS` saves a copy of its first argument taken before
+    overwriting it: that copy (same shape and dtype, another storage) is its ``input``, so
+    the codes made for the op's input (a SiLU's derivative) reach ``nn.SiLU(inplace=True)``."""
     i = 0
     base = storage_base(t) if t.numel() else None  # the storage's address
+    first: torch.Tensor | None = None
     for a in STATE.args:
         if isinstance(a, torch.Tensor):
             if a is t or (
@@ -300,5 +337,15 @@ def role_of(t: torch.Tensor) -> str:
                 and storage_base(a) == base
             ):
                 return "input" if i == 0 else f"arg{i}"
+            if i == 0:
+                first = a
             i += 1
+    if (
+        first is not None
+        and STATE.op in INPLACE_COPY_OPS
+        and t.shape == first.shape
+        and t.dtype == first.dtype
+        and in_place()
+    ):
+        return "input"
     return "output"
