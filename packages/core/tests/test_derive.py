@@ -54,7 +54,17 @@ def _rows(handle: ts.Handle) -> dict[str, tuple[int, int, int]]:
     return {k: (r.derived, r.raw_bytes, r.stored_bytes) for k, r in handle.tally.rows.items()}
 
 
-@pytest.mark.parametrize("act", [F.gelu, F.silu, lambda x: F.gelu(x, approximate="tanh")])
+@pytest.mark.parametrize(
+    "act",
+    [
+        F.gelu,
+        F.silu,
+        lambda x: F.gelu(x, approximate="tanh"),
+        lambda x: F.silu(x, inplace=True),  # saves a copy of its input: the recipe's source
+        nn.SiLU(inplace=True),
+    ],
+    ids=["gelu", "silu", "gelu-tanh", "silu-inplace", "SiLU-inplace-module"],
+)
 def test_activation_output_recomputed_bit_exact(
     act: Callable[[torch.Tensor], torch.Tensor],
 ) -> None:
@@ -151,9 +161,10 @@ def test_output_changed_in_place(change: str, carried: bool) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_inplace_silu_has_no_recipe() -> None:
-    assert recipe("silu", (torch.ones(2),), {"inplace": True}) is None
-    assert recipe("silu", (torch.ones(2), True), {}) is None
+def test_which_ops_have_a_recipe() -> None:
+    # an in-place SiLU's output is recomputed out of place from the copy of its input
+    assert recipe("silu", (torch.ones(2),), {"inplace": True}) is not None
+    assert recipe("silu", (torch.ones(2), True), {}) is not None
     assert recipe("relu", (torch.ones(2),), {}) is None
     assert recipe("gelu", (torch.ones(2),), {"approximate": "tanh"}) is not None
 

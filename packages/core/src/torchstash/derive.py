@@ -314,10 +314,8 @@ def recipe(op: str, args: Sequence[Any], kwargs: dict[str, Any], func: str = "")
     if op == "gelu":
         approximate = _argument(args, kwargs, "approximate", 1) or "none"
         return Recipe(op, {"approximate": str(approximate)})
-    if op == "silu":
-        if _argument(args, kwargs, "inplace", 1):
-            return None
-        return Recipe(op, {})
+    if op == "silu":  # in place too: its saved copy of the input is the source (replayed
+        return Recipe(op, {})  # out of place, see Replay)
     if op == "layer_norm":
         weight = _argument(args, kwargs, "weight", 2)
         bias = _argument(args, kwargs, "bias", 3)
