@@ -19,8 +19,11 @@ nox.options.error_on_missing_interpreters = True
 nox.options.sessions = ["lint", "typecheck", "tests", "integration", "ecosystem", "kernels"]
 
 TORCH = os.environ.get("TORCHSTASH_TORCH", "torch==2.13.0")
-# torchvision pins torch exactly: the release built for TORCH, so pip keeps the wheel it has.
-TORCHVISION = os.environ.get("TORCHSTASH_TORCHVISION", "torchvision==0.28.0")
+# The ecosystem session's pair: PyPI's torchvision does not load beside the 2.13.0 CPU wheel,
+# while torch 2.14.1 with torchvision 0.29.1 (a CUDA build, about 5.5 GB, that runs on the CPU)
+# installs from these machines' disk and runs timm and torchvision's models.
+ECOSYSTEM_TORCH = os.environ.get("TORCHSTASH_ECOSYSTEM_TORCH", "torch==2.14.1")
+TORCHVISION = os.environ.get("TORCHSTASH_TORCHVISION", "torchvision==0.29.1")
 #: every package under packages/ but the core: a new plug-in is linted, typed and tested the
 #: day its folder (with a pyproject.toml) exists
 PLUGINS = sorted(
@@ -32,13 +35,13 @@ TEST_DEPS = ["pytest>=8", "numpy", "hypothesis>=6", "import-linter>=2.1"]
 SRC_DIRS = ["packages/core/src", *(f"packages/{p}/src" for p in PLUGINS)]
 
 
-def _install(session: nox.Session, *packages: str, extras: str = "") -> None:
+def _install(session: nox.Session, *packages: str, extras: str = "", torch: str = TORCH) -> None:
     """torch first (pinned), then our packages as real, non-editable installs."""
-    session.install(TORCH)
+    session.install(torch)
     paths = [f"./packages/{p}" for p in packages]
     if extras:
         paths[0] = f"{paths[0]}[{extras}]"
-    session.install(TORCH, *paths, *TEST_DEPS)  # TORCH again: no dependency may swap it
+    session.install(torch, *paths, *TEST_DEPS)  # torch again: no dependency may swap it
 
 
 def _pytest(session: nox.Session, *paths: str) -> None:
@@ -79,21 +82,22 @@ def integration(session: nox.Session) -> None:
 
 @nox.session
 def ecosystem(session: nox.Session) -> None:
-    """Models and trainers users bring: transformers, timm, torchvision, Lightning, HF Trainer."""
-    _install(session, "core", *PLUGINS, extras="lightning,hf")
-    session.install(TORCH, TORCHVISION, "timm")
-    # PyPI's torchvision is built against CUDA torch: beside the CPU wheel its ops library does
-    # not load and `import torchvision` raises a RuntimeError, which breaks transformers and
-    # timm too (they import it whenever it is installed). The CPU build is on PyTorch's own
-    # index only (PIP_EXTRA_INDEX_URL plus TORCHSTASH_TORCHVISION=torchvision==X+cpu). Without
-    # a torchvision that loads, it and timm (which needs it) leave; their tests skip.
-    probe = "try:\n import torchvision\n print('vision-ok')\nexcept Exception as e:\n print(e)"
+    """Models and trainers users bring: transformers, timm, torchvision, Lightning, HF Trainer,
+    on ECOSYSTEM_TORCH with TORCHVISION (every strategy on each model: tests/ecosystem)."""
+    _install(session, "core", *PLUGINS, extras="lightning,hf", torch=ECOSYSTEM_TORCH)
+    session.install(ECOSYSTEM_TORCH, TORCHVISION, "timm")
+    # A torchvision built for another torch does not load (`import torchvision` raises a
+    # RuntimeError); the session then fails here, naming the pair, instead of its tests
+    # skipping timm and torchvision's models unseen.
+    probe = (
+        "try:\n import torchvision, timm\n print('vision-ok')\nexcept Exception as e:\n print(e)"
+    )
     out = session.run_install("python", "-c", probe, silent=True)
     if isinstance(out, str) and "vision-ok" not in out:
-        session.warn(
-            f"torchvision does not load with this torch ({out.strip()}): removed with timm"
+        session.error(
+            f"{TORCHVISION} or timm does not load with {ECOSYSTEM_TORCH} ({out.strip()}); set "
+            "TORCHSTASH_ECOSYSTEM_TORCH and TORCHSTASH_TORCHVISION to a matching pair"
         )
-        session.run_install("python", "-m", "pip", "uninstall", "-y", "torchvision", "timm")
     _pytest(session, "tests/ecosystem")
 
 

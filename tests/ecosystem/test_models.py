@@ -1,22 +1,21 @@
 """Every registered strategy on the models users bring: Hugging Face transformers (GPT-2, BERT,
-ViT, Llama), timm (DeiT, ResNet) and torchvision (ResNet-18), each built tiny from a config
-(nothing is downloaded) and skipped with a reason where its library is not installed.
+ViT, Llama), timm (DeiT, ResNet-10t, ConvNeXt-atto, EfficientNet-B0) and torchvision
+(ResNet-18, MobileNetV3-small, ViT-B/16), each built from a config with random weights
+(nothing is downloaded; :mod:`torchstash.bench.ecosystem`) and skipped with a reason where its
+library is not installed.
 
 Per (model, strategy): a few SGD steps train (finite loss and gradients); the saved bytes of
 the first step are stock's exactly for the strategies that are identities here, and below
 stock's for the ones that compress something on that model; a lossless strategy's first
-gradients equal stock's bit for bit; ``remove`` gives back the same modules, ``state_dict``
-keys and training step (loss and gradients) as a stock model with the same weights.
+gradients equal stock's bit for bit, a lossy one's are within its tolerance
+(:data:`MIN_COSINE`); ``remove`` gives back the same modules, ``state_dict`` keys and
+training step (loss and gradients) as a stock model with the same weights.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from functools import cache
-from typing import Any
 
 import pytest
 import torch
@@ -24,6 +23,18 @@ from torch import nn
 
 import torchstash as ts
 from torchstash.bench.common import lossless_of
+from torchstash.bench.ecosystem import (
+    MODELS,
+    SEQ,
+    VOCAB,
+    Spec,
+    Unavailable,
+    closeness,
+    fresh,
+    gradients,
+    library,
+    loss_at,
+)
 from torchstash.engine import CONSTANT_REASON
 from torchstash.errors import ApplyError
 
@@ -32,187 +43,70 @@ STRATEGIES = ts.REGISTRY.names()
 #: identity for CPU tensors; quant.L0 is ActNN's "no compression" level).
 IDENTITY_ON_CPU = frozenset({"none", "offload.cpu", "quant.L0"})
 STEPS = 3
-VOCAB = 128
-SEQ = 16
-BATCH = 4
-IMAGE = 32
-CLASSES = 10
 
-Batch = dict[str, torch.Tensor]
-
-
-def _library(name: str) -> Any:
-    """The library, or a skip naming it: a broken install (torchvision built for another torch
-    raises a RuntimeError on import) is a reason to skip, as a missing one is."""
-    try:
-        return importlib.import_module(name)
-    except Exception as e:  # ImportError, or the RuntimeError of a mismatched binary
-        pytest.skip(f"{name} is not usable here: {type(e).__name__}: {str(e)[:120]}")
-
-
-# -- the models --------------------------------------------------------------------------------
-
-
-def _gpt2() -> nn.Module:
-    tf = _library("transformers")
-    cfg = tf.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, n_positions=SEQ, vocab_size=VOCAB, bos_token_id=0,
-        eos_token_id=0,
-    )  # fmt: skip
-    return tf.GPT2LMHeadModel(cfg)
-
-
-def _bert() -> nn.Module:
-    tf = _library("transformers")
-    cfg = tf.BertConfig(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=128, max_position_embeddings=SEQ,
-    )  # fmt: skip
-    return tf.BertForMaskedLM(cfg)
-
-
-def _vit() -> nn.Module:
-    tf = _library("transformers")
-    cfg = tf.ViTConfig(
-        image_size=IMAGE, patch_size=8, hidden_size=64, num_hidden_layers=2,
-        num_attention_heads=4, intermediate_size=128, num_labels=CLASSES,
-    )  # fmt: skip
-    return tf.ViTForImageClassification(cfg)
-
-
-def _llama() -> nn.Module:
-    tf = _library("transformers")
-    cfg = tf.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    )  # fmt: skip
-    return tf.LlamaForCausalLM(cfg)
-
-
-def _timm_deit() -> nn.Module:
-    timm = _library("timm")
-    return timm.create_model(
-        "deit_tiny_patch16_224", pretrained=False, img_size=IMAGE, patch_size=8, depth=2,
-        num_classes=CLASSES,
-    )  # fmt: skip
-
-
-def _timm_resnet() -> nn.Module:
-    timm = _library("timm")
-    return timm.create_model("resnet10t", pretrained=False, num_classes=CLASSES)
-
-
-def _torchvision_resnet() -> nn.Module:
-    models = _library("torchvision.models")
-    return models.resnet18(num_classes=CLASSES)
-
-
-def _tokens(g: torch.Generator) -> Batch:
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    return {"input_ids": ids, "labels": ids}
-
-
-def _images(g: torch.Generator) -> Batch:
-    x = torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g)
-    return {"pixel_values": x, "labels": torch.randint(0, CLASSES, (BATCH,), generator=g)}
-
-
-def _hf_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    return model(**batch).loss
-
-
-def _logits_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(batch["pixel_values"]), batch["labels"])
-
-
-@dataclass(frozen=True)
-class Spec:
-    build: Callable[[], nn.Module]
-    batch: Callable[[torch.Generator], Batch]
-    loss: Callable[[nn.Module, Batch], torch.Tensor]
-    #: what memsave does here: "reduces", "equal" (rewrites, saves as stock) or "error"
-    #: (nothing to rewrite), and why
-    memsave: tuple[str, str]
-
-
-MODELS = {
-    "hf-gpt2": Spec(
-        _gpt2, _tokens, _hf_loss, ("reduces", "its Dropout(0.1) layers keep 1-bit masks")
-    ),
-    "hf-bert": Spec(
-        _bert, _tokens, _hf_loss, ("reduces", "its Dropout(0.1) layers keep 1-bit masks")
-    ),
-    "hf-vit": Spec(
-        _vit,
-        _images,
-        _hf_loss,
-        ("equal", "dropout 0, LayerNorm and the patch conv train: stock keeps only what is needed"),
-    ),
-    "hf-llama": Spec(
-        _llama,
-        _tokens,
-        _hf_loss,
-        ("error", "LlamaRMSNorm is its own class and SiLU is no ReLU: nothing to rewrite"),
-    ),
-    "timm-deit": Spec(
-        _timm_deit, _images, _logits_loss, ("equal", "dropout 0; LayerNorm and convs train")
-    ),
-    "timm-resnet": Spec(
-        _timm_resnet, _images, _logits_loss, ("reduces", "ReLU masks and max-pool codes")
-    ),
-    "torchvision-resnet18": Spec(
-        _torchvision_resnet, _images, _logits_loss, ("reduces", "ReLU masks and max-pool codes")
-    ),
+#: The least cosine of a lossy strategy's first gradient with stock's, all parameters
+#: together, on every model here (``python -m torchstash.bench.ecosystem`` prints them; the
+#: lowest measured on 2026-11-26 in the comments). A model whose largest gradient is one
+#: layer's (EfficientNet-B0's stem, fed the image at the codec's width) is judged on it.
+MIN_COSINE = {
+    "quant.int8": 0.99,  # 0.9997
+    "quant": 0.99,  # quant.int8's preset
+    "quant.mesa": 0.99,  # 0.9994
+    "quant.fp8": 0.99,  # 0.9993
+    "quant.int4": 0.95,  # 0.98 (EfficientNet-B0)
+    "quant.L1": 0.95,  # int4 on linear and conv inputs only
+    "quant.L2": 0.95,  # int4
+    "quant.int2": 0.5,  # 0.62 (EfficientNet-B0), 0.80 (ResNet-18), 0.89 (MobileNetV3)
+    "dropit.mink": 0.6,  # 0.75 (torchvision ViT-B/16)
+    "dropit.random": 0.25,  # 0.35: unbiased, but a tenth of each input kept
+    # Reported, not held: one bit per element (int1) and quant.auto's first steps, which run
+    # at the budget's width until its first allocation (after 20 steps): EfficientNet-B0 0.00
+    # and 0.07 there; after the allocation auto reaches 0.43 on it, 0.96 on ResNet-18.
+    "quant.int1": -1.0,
+    "quant.auto": -1.0,
+    "quant.L3": -1.0,
+    "quant.L4": -1.0,
+    "quant.L5": -1.0,
 }
 
 
-# -- helpers -----------------------------------------------------------------------------------
+#: (model, strategy) whose first gradient is finite but far from stock's, so SGD diverges
+#: within the test's steps: held to their first step only, with the measured reason.
+DIVERGES = {
+    ("timm-efficientnet_b0", "quant.int1"): "one bit at every layer of 16 blocks: the first "
+    "gradient's norm is 360x stock's (each op kind alone 2-5x); NaN by the third step",
+}
 
 
-def _fresh(spec: Spec) -> nn.Module:
-    torch.manual_seed(0)
-    model = spec.build()
-    model.train()
-    return model
-
-
-def _batch(spec: Spec, step: int) -> Batch:
-    return spec.batch(torch.Generator().manual_seed(step))
-
-
-def _loss(spec: Spec, model: nn.Module, step: int) -> torch.Tensor:
-    batch = _batch(spec, step)
-    torch.manual_seed(1000 + step)  # the same dropout draws for stock and the strategy
-    return spec.loss(model, batch)
-
-
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+def _spec(name: str) -> Spec:
+    spec = MODELS[name]
+    try:
+        library(spec.library)
+    except Unavailable as e:
+        pytest.skip(str(e))
+    return spec
 
 
 def _hooks(model: nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
-@dataclass(frozen=True)
 class Stock:
-    grads: dict[str, torch.Tensor]
-    loss: float
-    raw_bytes: int
+    def __init__(self, grads: dict[str, torch.Tensor], loss: float, raw_bytes: int) -> None:
+        self.grads, self.loss, self.raw_bytes = grads, loss, raw_bytes
 
 
 @cache
 def _stock(name: str) -> Stock:
     """Stock's first step (no torchstash), and its saved bytes as the ``none`` identity counts."""
     spec = MODELS[name]
-    model = _fresh(spec)
-    loss = _loss(spec, model, 0)
+    model = fresh(spec)
+    loss = loss_at(spec, model, 0)
     loss.backward()
-    grads = _grads(model)
+    grads = gradients(model)
     model.zero_grad(set_to_none=True)
     with ts.apply(model, "none") as handle:
-        _loss(spec, model, 0).backward()
+        loss_at(spec, model, 0).backward()
         raw = handle.tally.raw_bytes
     return Stock(grads, loss.item(), raw)
 
@@ -220,11 +114,16 @@ def _stock(name: str) -> Stock:
 # -- the test ----------------------------------------------------------------------------------
 
 
+def test_every_lossy_strategy_has_a_tolerance() -> None:
+    lossy = {n for n in STRATEGIES if not lossless_of(n)}
+    assert lossy <= MIN_COSINE.keys(), sorted(lossy - MIN_COSINE.keys())
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_strategy_on_model(model_name: str, strategy: str) -> None:
-    spec = MODELS[model_name]
-    model = _fresh(spec)
+    spec = _spec(model_name)
+    model = fresh(spec)
     stock = _stock(model_name)
     types = {n: type(m) for n, m in model.named_modules()}
     keys = list(model.state_dict())
@@ -238,11 +137,11 @@ def test_strategy_on_model(model_name: str, strategy: str) -> None:
 
     handle = ts.apply(model, strategy)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for step in range(STEPS):
+    for step in range(1 if (model_name, strategy) in DIVERGES else STEPS):
         handle.tally.reset()
-        loss = _loss(spec, model, step)
+        loss = loss_at(spec, model, step)
         loss.backward()
-        grads = _grads(model)
+        grads = gradients(model)
         assert math.isfinite(loss.item())
         assert grads.keys() == stock.grads.keys()  # every parameter stock trains gets one
         assert all(g.isfinite().all() for g in grads.values()), f"step {step}"
@@ -251,6 +150,9 @@ def test_strategy_on_model(model_name: str, strategy: str) -> None:
             _check_bytes(model_name, strategy, handle, stock.raw_bytes, why)
             if lossless_of(strategy):
                 assert all(torch.equal(grads[n], g) for n, g in stock.grads.items())
+            else:
+                whole, median = closeness(stock.grads, grads)
+                assert whole >= MIN_COSINE[strategy], (whole, median)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -259,16 +161,16 @@ def test_strategy_on_model(model_name: str, strategy: str) -> None:
     assert list(model.state_dict()) == keys
     assert _hooks(model) == hooks
     # After remove, a step is stock's on the same weights, bit for bit, and nothing is counted.
-    twin = _fresh(spec)
+    twin = fresh(spec)
     twin.load_state_dict(model.state_dict())
     handle.tally.reset()
-    ours, theirs = _loss(spec, model, STEPS), _loss(spec, twin, STEPS)
+    ours, theirs = loss_at(spec, model, STEPS), loss_at(spec, twin, STEPS)
     assert torch.equal(ours, theirs)
     ours.backward()
     theirs.backward()
     assert handle.tally.raw_bytes == 0
-    twin_grads = _grads(twin)
-    assert all(torch.equal(g, twin_grads[n]) for n, g in _grads(model).items())
+    twin_grads = gradients(twin)
+    assert all(torch.equal(g, twin_grads[n]) for n, g in gradients(model).items())
 
 
 def _check_bytes(model_name: str, strategy: str, handle: ts.Handle, stock: int, why: str) -> None:
@@ -299,7 +201,8 @@ MASK_QUANTIZED = frozenset(
 
 
 def _checkpointed_gpt2(reentrant: bool) -> nn.Module:
-    tf = _library("transformers")
+    _spec("hf-gpt2")  # skips without transformers
+    tf = library("transformers")
     torch.manual_seed(0)
     cfg = tf.GPT2Config(
         n_layer=2, n_embd=64, n_head=4, n_positions=SEQ, vocab_size=VOCAB, bos_token_id=0,
@@ -318,15 +221,15 @@ def _checkpointed_gpt2(reentrant: bool) -> nn.Module:
 def test_activation_checkpointing(reentrant: bool, strategy: str) -> None:
     spec = MODELS["hf-gpt2"]
     stock = _checkpointed_gpt2(reentrant)
-    _loss(spec, stock, 0).backward()
+    loss_at(spec, stock, 0).backward()
     model = _checkpointed_gpt2(reentrant)
     with ts.apply(model, strategy) as h:
-        loss = _loss(spec, model, 0)
+        loss = loss_at(spec, model, 0)
         loss.backward()
     if reentrant and strategy in MASK_QUANTIZED:
         declined = sum(r.declined[CONSTANT_REASON] for r in h.tally.rows.values())
         assert declined >= 1, h.tally.rows
-    grads, want = _grads(model), _grads(stock)
+    grads, want = gradients(model), gradients(stock)
     assert math.isfinite(loss.item()) and grads.keys() == want.keys()
     assert all(g.isfinite().all() for g in grads.values())
     if lossless_of(strategy):

@@ -1,8 +1,10 @@
-"""The torchstash command: list and doctor."""
+"""The torchstash command: list, doctor and build."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -22,13 +24,29 @@ def test_list_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "offload.cpu" in out and "(core)" in out
 
 
-def test_doctor_reports_kernels(capsys: pytest.CaptureFixture[str]) -> None:
+def test_doctor_json_is_the_whole_of_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    """``doctor --json`` prints JSON alone on stdout (its tables go to stderr): parseable."""
     code = main(["doctor", "--json"])
-    out = capsys.readouterr().out
-    assert "torch" in out and "kernels" in out
-    data = json.loads(out[out.index("{\n") :])
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
     assert data["kernels"]["mode"] in ("auto", "off", "require")
+    assert data["torch"] and data["python"] and isinstance(data["plugins"], list)
     assert code == (1 if data["problems"] else 0)
+    assert "doctor" in captured.err  # the tables, for a person reading the terminal
+
+
+def test_build_builds_the_kernels_ahead(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["build"])
+    out = capsys.readouterr().out
+    assert "kernels: mode=" in out
+    assert code == (0 if "built (" in out else 1)
+
+
+def test_python_dash_m_torchstash_runs_the_command() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "torchstash", "--version"], capture_output=True, text=True
+    )
+    assert done.returncode == 0 and done.stdout.startswith("torchstash "), done
 
 
 def test_unknown_arguments_are_errors() -> None:
@@ -85,7 +103,8 @@ def test_list_prints_the_table_and_the_clashes(
 
 def test_doctor_reports_the_clashes(clashing: None, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--no-build", "--json"]) == 1
-    out = " ".join(capsys.readouterr().out.split())
+    captured = capsys.readouterr()
+    out = " ".join((captured.out + captured.err).split())
     assert "strategy 'none' is offered twice: by torchstash 0.1.0 by torchstash-evil 6.6" in out
     assert "torchstash-quant 6.6 (fake_cli_evil:register)" in out
     assert '"problems": 2' in out

@@ -62,8 +62,18 @@ def _rows(handle: ts.Handle) -> dict[str, tuple[int, int, int]]:
         lambda x: F.gelu(x, approximate="tanh"),
         lambda x: F.silu(x, inplace=True),  # saves a copy of its input: the recipe's source
         nn.SiLU(inplace=True),
+        F.hardswish,
+        nn.Hardswish(inplace=True),  # MobileNetV3's
     ],
-    ids=["gelu", "silu", "gelu-tanh", "silu-inplace", "SiLU-inplace-module"],
+    ids=[
+        "gelu",
+        "silu",
+        "gelu-tanh",
+        "silu-inplace",
+        "SiLU-inplace-module",
+        "hardswish",
+        "Hardswish-inplace-module",
+    ],
 )
 def test_activation_output_recomputed_bit_exact(
     act: Callable[[torch.Tensor], torch.Tensor],
@@ -165,6 +175,7 @@ def test_which_ops_have_a_recipe() -> None:
     # an in-place SiLU's output is recomputed out of place from the copy of its input
     assert recipe("silu", (torch.ones(2),), {"inplace": True}) is not None
     assert recipe("silu", (torch.ones(2), True), {}) is not None
+    assert recipe("hardswish", (torch.ones(2), True), {}) is not None
     assert recipe("relu", (torch.ones(2),), {}) is None
     assert recipe("gelu", (torch.ones(2),), {"approximate": "tanh"}) is not None
 

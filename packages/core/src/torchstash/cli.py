@@ -1,4 +1,5 @@
-"""The ``torchstash`` command: ``list``, ``doctor``, ``bench``, ``demo``."""
+"""The ``torchstash`` command (also ``python -m torchstash``): ``list``, ``doctor``, ``build``,
+``bench``, ``demo``."""
 
 from __future__ import annotations
 
@@ -21,8 +22,41 @@ from .errors import DuplicateStrategyError
 from .registry import PluginRecord
 
 
-def _console() -> Console:
-    return Console(highlight=False)
+def _console(*, stderr: bool = False) -> Console:
+    return Console(highlight=False, stderr=stderr)
+
+
+def _build_kernels(console: Console, *, build: bool = True) -> dict[str, Any]:
+    """The kernels' status, building them first when asked: a status line on a terminal, one
+    line otherwise, so the minute a first build takes is not a silent one."""
+    from . import kernels
+
+    from .kernels import loader
+
+    before = kernels.status(build=False)
+    if (
+        not build
+        or before.get("attempted")
+        or before.get("mode") not in ("auto", "require")
+        or loader.cached()
+    ):
+        return kernels.status(build=build)
+    message = "building the compiled kernels (first use: up to a few minutes; cached after)"
+    if console.is_terminal:
+        with console.status(message):
+            return kernels.status(build=True)
+    console.print(f"torchstash: {message}")
+    return kernels.status(build=True)
+
+
+def _kernel_line(st: dict[str, Any]) -> str:
+    if st.get("built"):
+        cached = " from the cache" if st.get("cached") else ""
+        return (
+            f"built ({st.get('variant')}, {st.get('build_seconds') or 0.0:.1f}s{cached}) "
+            f"in {st.get('build_dir')}"
+        )
+    return "using the pure-PyTorch reference"
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -123,35 +157,32 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     import torch
     from torch.utils import cpp_extension
 
-    from . import kernels
     from .registry import REGISTRY
 
-    console = _console()
+    # with --json the tables go to stderr, so stdout is the JSON alone
+    console = _console(stderr=args.json)
     problems = 0
     t = Table(title=f"torchstash {__version__} doctor", show_header=False)
     t.add_column("what")
     t.add_column("status")
-    t.add_row("python", f"{platform.python_version()} ({sys.executable})")
-    t.add_row("torch", f"{torch.__version__} (CUDA build: {torch.version.cuda or 'no'})")
     cuda = (
         f"yes: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
         if torch.cuda.is_available()
         else "no GPU visible"
     )
-    t.add_row("CUDA device", cuda)
-    t.add_row("C++ compiler", _first_line([cpp_extension.get_cxx_compiler(), "--version"]))
-    t.add_row(
-        "ninja", "yes" if cpp_extension.is_ninja_available() else "not found (pip install ninja)"
-    )
-    t.add_row("nvcc", _first_line(["nvcc", "--version"]))
-    st = kernels.status(build=not args.no_build)
+    facts = {
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "torch": f"{torch.__version__} (CUDA build: {torch.version.cuda or 'no'})",
+        "CUDA device": cuda,
+        "C++ compiler": _first_line([cpp_extension.get_cxx_compiler(), "--version"]),
+        "ninja": "yes" if cpp_extension.is_ninja_available() else "not found (pip install ninja)",
+        "nvcc": _first_line(["nvcc", "--version"]),
+    }
+    for what, status in facts.items():
+        t.add_row(what, status)
+    st = _build_kernels(console, build=not args.no_build)
     built = st.get("built")
-    kline = (
-        f"built ({st.get('variant')}, {st.get('build_seconds', 0.0):.1f}s) in {st.get('build_dir')}"
-        if built
-        else "using the pure-PyTorch reference"
-    )
-    t.add_row("kernels", f"mode={st.get('mode')}: {kline}")
+    t.add_row("kernels", f"mode={st.get('mode')}: {_kernel_line(st)}")
     for reason in st.get("reasons") or []:
         t.add_row("", f"[yellow]{reason}[/yellow]")
     if st.get("mode") == "require" and not built:
@@ -171,8 +202,26 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     console.print(p)
     _print_failures(console, plugins, tracebacks=True)
     if args.json:
-        print(json.dumps({"kernels": st, "problems": problems}, indent=2, default=str))
+        report = {
+            "version": __version__,
+            **{k.lower().replace(" ", "_"): v for k, v in facts.items()},
+            "kernels": st,
+            "plugins": [_plugin_dict(rec, REGISTRY.strategies()) for rec in plugins],
+            "problems": problems,
+        }
+        print(json.dumps(report, indent=2, default=str))
     return 1 if problems else 0
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    """Build the compiled kernels now (what the first training step would otherwise do);
+    exit 1 when they could not be built."""
+    console = _console()
+    st = _build_kernels(console)
+    console.print(f"kernels: mode={st.get('mode')}: {_kernel_line(st)}")
+    for reason in st.get("reasons") or []:
+        console.print(f"  {escape(reason)}")
+    return 0 if st.get("built") else 1
 
 
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
@@ -198,6 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("doctor", help="torch, CUDA, compiler, kernels, plug-in errors")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-build", action="store_true", help="do not try to build the kernels")
+    sub.add_parser("build", help="build the compiled kernels now, before the first step needs them")
     sub.add_parser(
         "bench", help="model zoo x every strategy (see `torchstash bench -h`)", add_help=False
     )
@@ -213,6 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_demo(args, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "build":
+        return cmd_build(args)
     return cmd_list(args) if args.command == "list" else cmd_doctor(args)
 
 

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 #: saves again as a transposed copy; that copy is the saved output, a layout step later.
 SDPA = "scaled_dot_product_attention"
 #: Ops whose output the engine can recompute from what they saved.
-DERIVE_OPS = frozenset({"gelu", "silu", "layer_norm", "batch_norm", "matmul", SDPA})
+DERIVE_OPS = frozenset({"gelu", "silu", "hardswish", "layer_norm", "batch_norm", "matmul", SDPA})
 #: Functions whose result is the plain product of the two operands they save (no scaling,
 #: no bias, no sum over a third operand): a matmul recipe is offered for these only.
 MATMUL_FUNCS = frozenset({"matmul", "__matmul__", "bmm", "mm"})
@@ -295,8 +295,8 @@ def attention_operand(t: torch.Tensor, args: Sequence[Any]) -> int | None:
 
 def recipe(op: str, args: Sequence[Any], kwargs: dict[str, Any], func: str = "") -> Recipe | None:
     """The recipe for the running call of ``op`` (raw function name ``func``), or None when
-    its output cannot be rebuilt from its saved inputs alone (an in-place SiLU, a LayerNorm
-    without its statistics, a matmul that adds a bias)."""
+    its output cannot be rebuilt from its saved inputs alone (a LayerNorm without its
+    statistics, a matmul that adds a bias)."""
     if op == "matmul":
         return Recipe(op, {}, arity=2) if func in MATMUL_FUNCS else None
     if op == SDPA:
@@ -314,8 +314,8 @@ def recipe(op: str, args: Sequence[Any], kwargs: dict[str, Any], func: str = "")
     if op == "gelu":
         approximate = _argument(args, kwargs, "approximate", 1) or "none"
         return Recipe(op, {"approximate": str(approximate)})
-    if op == "silu":  # in place too: its saved copy of the input is the source (replayed
-        return Recipe(op, {})  # out of place, see Replay)
+    if op in ("silu", "hardswish"):  # in place too: the copy of the input it saves is the
+        return Recipe(op, {})  # source (replayed out of place, see Replay)
     if op == "layer_norm":
         weight = _argument(args, kwargs, "weight", 2)
         bias = _argument(args, kwargs, "bias", 3)
@@ -335,6 +335,10 @@ def _gelu(r: Recipe, x: torch.Tensor) -> torch.Tensor:
 
 def _silu(r: Recipe, x: torch.Tensor) -> torch.Tensor:
     return F.silu(x)
+
+
+def _hardswish(r: Recipe, x: torch.Tensor) -> torch.Tensor:
+    return F.hardswish(x)
 
 
 def _normalized(r: Recipe, x: torch.Tensor, shape: list[int] | None = None) -> torch.Tensor:
@@ -462,6 +466,7 @@ _RECOMPUTE: dict[str, Callable[..., torch.Tensor]] = {
     FUSED: _fused_output,
     "gelu": _gelu,
     "silu": _silu,
+    "hardswish": _hardswish,
     "layer_norm": _layer_norm,
     "batch_norm": _batch_norm,
     "matmul": _matmul,

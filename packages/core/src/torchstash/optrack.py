@@ -54,6 +54,7 @@ KNOWN_OPS = frozenset(
         "softmax",
         "gelu",
         "silu",
+        "hardswish",
         "relu",
         "layer_norm",
         "group_norm",
@@ -288,8 +289,9 @@ def op_argument(name: str, position: int, default: Any = None) -> Any:
 
 
 #: Ops whose in-place form saves a copy of its input, taken before the input is overwritten
-#: (``silu_`` and ``mul_`` read the original values in backward): that copy is the op's input.
-INPLACE_COPY_OPS = frozenset({"silu", "mul"})
+#: (``silu_``, ``hardswish_`` and ``mul_`` read the original values in backward): that copy is
+#: the op's input.
+INPLACE_COPY_OPS = frozenset({"silu", "hardswish", "mul"})
 _inplace_positions: dict[Any, int | None] = {}
 
 

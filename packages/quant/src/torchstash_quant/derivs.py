@@ -30,12 +30,17 @@ from dataclasses import dataclass
 import torch
 
 from torchstash.kernels import pack_bits, philox_uniform, unpack_bits
+from torchstash.layout import memory_order, restore
 from torchstash.packed import Packed
 from torchstash.seeds import SeedStream
 from torchstash.site import Site
 
 #: Ops whose saved input is read in backward only through their derivative.
 DERIV_OPS = frozenset({"gelu", "silu"})
+#: Ops whose saved input is read in backward only through their derivative and whose output
+#: the engine recomputes from it: coded as values at ``act_bits`` (the derivative codes above
+#: are for GELU and SiLU only: MobileNetV3's Hardswish has a piecewise-linear derivative).
+ACT_OPS = DERIV_OPS | {"hardswish"}
 #: Widths a derivative code can take (one code is kept for non-finite inputs).
 DERIV_BITS = (2, 4, 8)
 CODEC = "quant.deriv"
@@ -164,19 +169,20 @@ def pack_derivative(
     nearest level when ``seed`` is None (the two use different level tables)."""
     stochastic = seed is not None
     t = table(op, bits, x.dtype, x.device, approximate, stochastic)
-    d = derivative(op, x.detach(), approximate)
+    xm, order = memory_order(x.detach())  # coded in memory order: a permuted input (ConvNeXt's
+    d = derivative(op, xm, approximate)  # channels-last GELU) needs no copy, keeps its strides
     if seed is not None:
         levels = t.device_levels  # kept on the device: no copy per tensor
         df = d.float()
         upper = torch.bucketize(df, levels, out_int32=True).clamp_(1, levels.numel() - 1)
         low, high = levels[upper - 1], levels[upper]
-        u = philox_uniform(x.numel(), seed, 0, device=x.device).view(x.shape)
+        u = philox_uniform(x.numel(), seed, 0, device=x.device).view(xm.shape)
         codes = upper - (u * (high - low) >= df - low).to(torch.int32)
     else:
         codes = torch.bucketize(d, t.cuts, out_int32=True)
     codes = codes.masked_fill_(d.isnan(), 2**bits - 1).to(torch.uint8)
     p = Packed.like(x, CODEC, codes=pack_bits(codes, bits))
-    p.meta.update(op=op, bits=bits, approximate=approximate, stochastic=stochastic)
+    p.meta.update(op=op, bits=bits, approximate=approximate, stochastic=stochastic, order=order)
     return p
 
 
@@ -188,7 +194,8 @@ def unpack_derivative(packed: Packed) -> torch.Tensor:
     stochastic = bool(packed.meta.get("stochastic", False))
     t = table(op, bits, packed.dtype, packed.device, approximate, stochastic)
     index = unpack_bits(codes, bits, packed.numel).to(torch.int32)
-    return t.inputs[index].view(packed.shape)
+    order = packed.meta.get("order")
+    return restore(t.inputs[index], packed.shape, order if isinstance(order, tuple) else None)
 
 
 class DerivCoder:

@@ -38,8 +38,8 @@ from torchstash.site import Site
 
 from ._dtypes import dtype_reasons
 from .centered import MIN_CENTERED_ROW, center_rows, uncenter
+from .derivs import ACT_OPS, DERIV_OPS, DerivCoder, unpack_derivative
 from .derivs import CODEC as DERIV_CODEC
-from .derivs import DERIV_OPS, DerivCoder, unpack_derivative
 from .groupwise import GroupQuantizer
 from .masks import (
     DROPOUT_OPS,
@@ -203,7 +203,7 @@ class OpAware(BaseCompressor):
         if (
             self.act_bits is not None
             and self._aligns
-            and site.op in DERIV_OPS
+            and site.op in ACT_OPS
             and site.role == "input"
             and x.is_floating_point()
         ):

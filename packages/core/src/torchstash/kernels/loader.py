@@ -47,7 +47,7 @@ import torch
 from torchstash import env
 from torchstash.errors import KernelUnavailable
 
-__all__ = ["MODES", "available", "load", "mode", "require", "status"]
+__all__ = ["MODES", "available", "cached", "load", "mode", "require", "status"]
 
 MODES = ("auto", "off", "require")
 NAME = "torchstash_kernels"
@@ -497,6 +497,12 @@ def _build() -> _Outcome:
             return out
         _remove_baton(build_dir, out.notes)
         out.cached = any(build_dir.glob(f"{name}*.so"))
+        if not out.cached:  # the one slow first use: say so (logger torchstash.kernels.loader)
+            _log.warning(
+                "torchstash: building the compiled %s kernels into %s (first use of these "
+                "sources: up to a few minutes; cached after; `torchstash build` does it ahead)",
+                out.variant, build_dir,
+            )  # fmt: skip
         start = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -642,6 +648,16 @@ def require(device: torch.device | str = "cpu") -> None:
     reason = _device_reason(device)
     if reason is not None:
         raise KernelUnavailable(f"compiled kernels unavailable on {device}: {reason}")
+
+
+def cached() -> bool:
+    """Whether a build of the current sources is in the cache already (loading it is quick)."""
+    root, _ = find_csrc()
+    if root is None:
+        return False
+    variant = _variant([])
+    key = digest(root, variant)
+    return any((cache_root() / f"{variant}-{key[:16]}").glob(f"{NAME}_{key[:12]}*.so"))
 
 
 def status(*, build: bool = True) -> dict[str, Any]:

@@ -1,0 +1,7 @@
+"""``python -m torchstash``: the ``torchstash`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
