@@ -30,7 +30,6 @@ def _build_kernels(console: Console, *, build: bool = True) -> dict[str, Any]:
     """The kernels' status, building them first when asked: a status line on a terminal, one
     line otherwise, so the minute a first build takes is not a silent one."""
     from . import kernels
-
     from .kernels import loader
 
     before = kernels.status(build=False)
