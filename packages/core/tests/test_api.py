@@ -13,7 +13,7 @@ from torch import nn
 
 import torchstash as ts
 from torchstash.bench.zoo import zoo
-from torchstash.errors import ApplyError
+from torchstash.errors import ApplyError, NothingToRewriteWarning
 
 ENTRIES = {e.name: e for e in zoo("tiny")}
 
@@ -200,9 +200,28 @@ def test_a_new_module_for_the_root_is_refused(rewrite_strategy: str) -> None:
         ts.apply(nn.ReLU(), rewrite_strategy)
 
 
-def test_rewriting_nothing_is_reported(rewrite_strategy: str) -> None:
-    with pytest.raises(ApplyError, match="found no module to rewrite"):
-        ts.apply(nn.Sequential(nn.Linear(2, 2)), rewrite_strategy)
+def test_rewriting_nothing_is_a_warning(rewrite_strategy: str) -> None:
+    """A loop over every strategy goes on: the model is left as it was, and said so."""
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.warns(NothingToRewriteWarning, match="found no module to rewrite"):
+        handle = ts.apply(model, rewrite_strategy)
+    assert not handle.rewrites and type(model[0]) is nn.Linear
+    handle.remove()
+    assert ts.handle_of(model) is None
+
+
+def test_a_submodule_of_an_applied_model_is_refused(toy_strategies: list[str]) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4)))
+    with ts.apply(model, "test.clone"):
+        with pytest.raises(ApplyError, match=r"holds this Sequential as '1'"):
+            ts.apply(model[1], "test.half")
+        with pytest.raises(ApplyError, match="already applied to this model"):
+            ts.apply(model, "test.half")
+    with (
+        ts.apply(model[1], "test.half"),  # after remove, either is fine
+        pytest.raises(ApplyError, match="already applied to submodule '1'"),
+    ):
+        ts.apply(model, "test.clone")
 
 
 def test_stash_refuses_rewriters(rewrite_strategy: str) -> None:

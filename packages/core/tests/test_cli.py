@@ -108,3 +108,11 @@ def test_doctor_reports_the_clashes(clashing: None, capsys: pytest.CaptureFixtur
     assert "strategy 'none' is offered twice: by torchstash 0.1.0 by torchstash-evil 6.6" in out
     assert "torchstash-quant 6.6 (fake_cli_evil:register)" in out
     assert '"problems": 2' in out
+
+
+def test_import_does_not_load_dynamo() -> None:
+    """``import torchstash`` (every CLI call) leaves torch._dynamo alone: over a second, paid
+    only by a model that is applied to (see torchstash.compiling)."""
+    code = "import sys, torchstash, torchstash.cli; print('torch._dynamo' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done

@@ -252,3 +252,19 @@ def test_bench_strategy_names() -> None:
     assert "offload.cpu" in common.strategy_names(None)
     assert common.strategy_names(["none", "x", "x"]) == ["x"]
     assert common.strategy_names(["none", "x"], keep_none=True) == ["none", "x"]
+
+
+def test_a_failed_strategy_fails_the_command(
+    toy_names: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench`` and ``demo`` exit 1 when a requested strategy failed (the table still shows
+    every run), 0 when every run succeeded."""
+    from torchstash.bench.commands import main as bench_main
+
+    tiny = ["--scale", "tiny", "--repeat", "1", "--json", "-"]
+    assert bench_main([*tiny, "--strategies", HALF]) == 0
+    assert bench_main([*tiny, "--strategies", f"{HALF},{CRASH}"]) == 1
+    quick = ["--quick", "--steps", "2", "--out", str(tmp_path)]
+    assert demo.main([*quick, "--strategies", HALF]) == 0
+    assert demo.main([*quick, "--strategies", f"{CRASH},{HALF}"]) == 1
+    capsys.readouterr()

@@ -176,14 +176,40 @@ def test_disable_plugins(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     assert [r.disabled for r in reg.plugins()] == [True]
 
 
-def test_unknown_name_lists_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unknown_name_suggests_the_closest_and_installs_only_what_exists() -> None:
+    """A typo gets the closest installed names; an install is proposed only for a plug-in of
+    this project's that is missing, never ``pip install torchstash-<typo>``."""
     reg = Registry(
         discover=lambda: [],
         builtins=lambda r: r.register("none", _factory, lossless=True, summary=""),
     )
     with pytest.raises(UnknownStrategyError) as e:
-        reg.get("quant.int3")
-    assert "Installed: none" in str(e.value) and "torchstash-quant" in str(e.value)
+        reg.get("quant.int3")  # torchstash-quant is not installed here
+    assert "pip install torchstash-quant" in str(e.value)
+    with pytest.raises(UnknownStrategyError) as e:
+        reg.get("nnone")
+    assert "did you mean 'none'?" in str(e.value) and "pip install" not in str(e.value)
+    with pytest.raises(UnknownStrategyError) as e:
+        reg.get("qaunt.int2")
+    assert "pip install" not in str(e.value) and "Installed: none" in str(e.value)
+
+
+def test_unknown_variant_of_an_installed_plugin_names_its_strategies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def register(r: Any) -> None:
+        for n in ("f.int4", "f.int8"):
+            r.register(n, _factory, lossless=True, summary="")
+
+    plugin_module(monkeypatch, "fake_f2", register)
+    reg = registry_with(monkeypatch, FakeDist("torchstash-f", "1", {"f": "fake_f2:register"}))
+    with pytest.raises(UnknownStrategyError) as e:
+        reg.get("f.int3")
+    text = str(e.value)
+    assert (
+        "did you mean 'f.int4' or 'f.int8'?" in text or "did you mean 'f.int8' or 'f.int4'?" in text
+    )
+    assert "offers: f.int4, f.int8" in text and "pip install" not in text
 
 
 def test_in_process_duplicate_names_both_sides() -> None:

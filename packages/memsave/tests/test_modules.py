@@ -13,7 +13,7 @@ from torch import nn
 import torchstash as ts
 from torchstash.bench.memsave import PATTERNS, evaluate_one
 from torchstash.bench.zoo import zoo
-from torchstash.errors import ApplyError, OptionError
+from torchstash.errors import NothingToRewriteWarning, OptionError
 from torchstash_memsave import (
     MemSave,
     MemSaveBatchNorm2d,
@@ -112,9 +112,9 @@ def test_subclasses_are_matched_unless_they_override_forward() -> None:
     assert type(model[0]) is MyConv
 
 
-def test_nothing_to_rewrite_and_bad_flags_are_errors() -> None:
-    with pytest.raises(ApplyError, match="found no module to rewrite"):
-        ts.apply(nn.Sequential(nn.Linear(2, 2), nn.GELU()), "memsave")
+def test_nothing_to_rewrite_is_a_warning_and_bad_flags_are_errors() -> None:
+    with pytest.warns(NothingToRewriteWarning, match="found no module to rewrite"):
+        ts.apply(nn.Sequential(nn.Linear(2, 2), nn.GELU()), "memsave").remove()
     with pytest.raises(OptionError, match="colour"):
         ts.apply(block(), "memsave", colour=True)
     with pytest.raises(OptionError, match="relu='yes'"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from .budget import BudgetPlan
 from .compiling import EagerUnderCompile, compiling, warn_compiled
 from .engine import DEFAULT_MIN_BYTES, Engine, ModuleInfo, Tally
-from .errors import ApplyError
+from .errors import ApplyError, NothingToRewriteWarning
 from .packed import storage_base
 from .plan import Plan, Swapped
 from .policy import Policy, Rule, as_policy
@@ -172,9 +173,11 @@ def apply(
         if plan.has_rewriters:
             _rewrite(model, plan, handle)
             if not handle.rewrites and not plan.has_compressors:
-                raise ApplyError(
-                    f"{plan.policy.name!r} found no module to rewrite in "
-                    f"{type(model).__name__}; nothing would change"
+                warnings.warn(
+                    f"torchstash: {plan.policy.name!r} found no module to rewrite in "
+                    f"{type(model).__name__}; nothing changes (the model saves what it did)",
+                    NothingToRewriteWarning,
+                    stacklevel=2,
                 )
         _install_hooks(model, engine, handle)
     except BaseException:
@@ -185,6 +188,8 @@ def apply(
 
 
 def _refuse_applied(model: nn.Module) -> None:
+    """One handle per module tree: applying to a model, a submodule of an applied model or a
+    model holding an applied one would stack two engines on the same saves."""
     for name, sub in model.named_modules():
         if sub in _HANDLES:
             where = f"submodule {name!r}" if name else "this model"
@@ -192,6 +197,15 @@ def _refuse_applied(model: nn.Module) -> None:
                 f"torchstash is already applied to {where}; call torchstash.remove() on it "
                 f"first, or express both settings as one policy"
             )
+    for applied in list(_HANDLES.keys()):
+        for name, sub in applied.named_modules():
+            if sub is model and name:
+                raise ApplyError(
+                    f"torchstash is already applied to a {type(applied).__name__} that holds "
+                    f"this {type(model).__name__} as {name!r}; call torchstash.remove() on it "
+                    "first, or give this submodule its own rule in one policy "
+                    f"(module = {name!r})"
+                )
 
 
 def remove(model: nn.Module) -> None:

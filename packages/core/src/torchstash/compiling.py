@@ -6,12 +6,17 @@ replayed wrongly. So a model whose strategy compresses saved tensors runs *eager
 ``torch.compile``, with the memory savings intact and one warning saying so. Rewrite-only
 strategies (``memsave``) change the model's modules, which compile as they are: there the
 hooks step aside while dynamo traces, and the compiled graph holds the rewritten layers.
+
+``torch.compiler.disable`` imports all of dynamo (over a second), so the disabled functions
+are made when a model is first applied to, not when torchstash is imported: ``torchstash list``
+and a script that never applies anything do not pay for it.
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,14 +35,28 @@ def compiling() -> bool:
     return bool(torch.compiler.is_compiling())
 
 
-@torch.compiler.disable(reason=_REASON)
-def _run_eager(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _call_eagerly(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return nn.Module._call_impl(module, *args, **kwargs)
 
 
-@torch.compiler.disable(reason="a warning, once")
+#: the two functions dynamo must not trace, disabled once (see the module docstring)
+_DISABLED: dict[str, Callable[..., Any]] = {}
+
+
+def _prepare() -> None:
+    """Make the disabled functions (imports dynamo): at apply time, before any tracing."""
+    if not _DISABLED:
+        _DISABLED["run"] = torch.compiler.disable(_call_eagerly, reason=_REASON)
+        _DISABLED["warn"] = torch.compiler.disable(_warn, reason="a warning, once")
+
+
 def warn_compiled(module: nn.Module, what: str) -> None:
     """Warn once per model (dynamo calls this at run time where it met it while tracing)."""
+    _prepare()
+    _DISABLED["warn"](module, what)
+
+
+def _warn(module: nn.Module, what: str) -> None:
     if module in _WARNED:
         return
     _WARNED[module] = what
@@ -65,13 +84,14 @@ def _eager_call_impl(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # disabled call and runs the whole model, hooks included, eagerly.
     if compiling():
         warn_compiled(self, "eager")
-    return _run_eager(self, *args, **kwargs)
+    return _DISABLED["run"](self, *args, **kwargs)
 
 
 class EagerUnderCompile:
     """Makes ``model`` run eagerly when a compiled function calls it; ``remove`` undoes it."""
 
     def __init__(self, model: nn.Module, strategy: str) -> None:
+        _prepare()
         self._model = weakref.ref(model)
         _STRATEGY[model] = strategy
         object.__setattr__(model, "_call_impl", _eager_call_impl.__get__(model))

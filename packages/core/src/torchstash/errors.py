@@ -46,5 +46,10 @@ class ApplyError(TorchstashError):
     """A model could not be prepared (already applied, nothing to do, ...)."""
 
 
+class NothingToRewriteWarning(UserWarning):
+    """A rewrite-only strategy found no module to rewrite: the model is left as it was (a loop
+    over ``torchstash.strategies()`` goes on; the handle removes cleanly)."""
+
+
 class CompileFallbackWarning(UserWarning):
     """torch.compile met a model whose strategy cannot run in a compiled graph (said once)."""

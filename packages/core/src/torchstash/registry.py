@@ -13,6 +13,7 @@ one silently would run code the user did not choose.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib.metadata as metadata
 import inspect
 import threading
@@ -166,6 +167,15 @@ def _discover() -> list[_EntryPoint]:
             seen.add((dist_name, ep.name))
             found.append(_EntryPoint(ep.name, ep.value, dist_name, dist.version, ep.load))
     return found
+
+
+#: This project's plug-ins, by the prefix each owns: an unknown name under one of these whose
+#: distribution is missing is worth an install hint (a guessed name is not).
+FIRST_PARTY_PLUGINS = {
+    "quant": "torchstash-quant",
+    "dropit": "torchstash-dropit",
+    "memsave": "torchstash-memsave",
+}
 
 
 def _prefix(name: str) -> str:
@@ -349,11 +359,23 @@ class Registry:
                     f"strategy {name!r} belongs to plug-in {record.distribution}, disabled by "
                     f"{env.DISABLE_PLUGINS}={env.get(env.DISABLE_PLUGINS)!r}."
                 )
-            known = ", ".join(sorted(self.names())) or "none"
-            raise UnknownStrategyError(
-                f"unknown strategy {name!r}. Installed: {known}. A plug-in may be missing: "
-                f"pip install torchstash-{_prefix(name)} (if that is the plug-in you meant)."
-            )
+            raise UnknownStrategyError(self._unknown(name, record))
+
+    def _unknown(self, name: str, record: PluginRecord | None) -> str:
+        """Why ``name`` is unknown and what to do: the closest installed names, and an install
+        only for a plug-in of this project's that is missing (never ``torchstash-<typo>``)."""
+        names = self.names()
+        mine = [n for n in names if _prefix(n) == _prefix(name)] if record is not None else []
+        close = difflib.get_close_matches(name, mine or names, n=3, cutoff=0.6)
+        text = f"unknown strategy {name!r}"
+        text += f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else "."
+        if record is not None:
+            listed = ", ".join(mine) or "none"
+            return f"{text} Plug-in {record.distribution} offers: {listed}."
+        dist = FIRST_PARTY_PLUGINS.get(_prefix(name))
+        if dist is not None:
+            return f"{text} It would come from {dist}, which is not installed: pip install {dist}."
+        return f"{text} Installed: {', '.join(names) or 'none'} (`torchstash list` describes them)."
 
     def names(self) -> list[str]:
         """Every strategy name, after loading every plug-in."""

@@ -77,9 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     dev = torch.device(args.device) if args.device else default_device()
     rows = run_bench(args.scale, args.strategies, dev, args.repeat, console, threads=args.threads)
     text = json.dumps(jsonable(rows), indent=2)
+    failed = 1 if any(r["error"] for r in rows) else 0  # the table shows each failure
     if to_stdout:
         print(text)
-        return 0
+        return failed
     where = f"{dev} ({plural(rows[0]['threads'], 'thread')})" if dev.type == "cpu" else str(dev)
     title = f"torchstash bench: zoo scale {args.scale} on {where}, median of {args.repeat} steps"
     console.print(bench_table(rows, title))
@@ -94,4 +95,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text + "\n")
         console.print(f"wrote {escape(str(path))}")
-    return 0
+    return failed

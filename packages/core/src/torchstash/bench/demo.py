@@ -651,7 +651,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``torchstash demo``; the exit status is 1 only when stock itself failed."""
+    """``torchstash demo``; the exit status is 1 when stock or any strategy's run failed (the
+    table still shows every run, a failed one with its error)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     policies: dict[str, PolicyLike] = {}
@@ -670,7 +671,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         threads=args.threads,
         policies=policies,
     )
-    return 1 if result.stock.error else 0
+    return 1 if result.stock.error or any(r.error for r in result.runs) else 0
 
 
 if __name__ == "__main__":
