@@ -76,17 +76,32 @@ def cmd_list(args: argparse.Namespace) -> int:
             )
         )
         return 1 if _failed(plugins) else 0
-    t = Table(title=f"torchstash {__version__}: strategies")
-    for col in ("strategy", "from", "lossless", "options", "summary"):
-        t.add_column(col)
-    for s in strategies:
-        t.add_row(
-            f"{s.name} (preset)" if s.preset else s.name,
-            f"{s.distribution} {s.version}".strip(),
+    # one line per strategy (cut to the terminal's width); --verbose wraps and adds the options
+    wrap = bool(args.verbose)
+    t = Table(title=f"torchstash {__version__}: strategies (then presets, which set options)")
+    names = {s.name: f"{s.name} (preset)" if s.preset else s.name for s in strategies}
+    t.add_column("strategy", no_wrap=True, min_width=max(map(len, names.values()), default=8))
+    t.add_column("from", no_wrap=True, min_width=7)
+    t.add_column("lossless", no_wrap=True, min_width=8)
+    if wrap:
+        t.add_column("options")
+    t.add_column("summary")
+    # what is left of the terminal's width for the summary (borders: 3 a column, 1 more)
+    room = console.width - max(map(len, names.values()), default=8) - 7 - 8 - 13
+    room = max(room, 20)
+
+    def cut(text: str) -> str:
+        return text if wrap or len(text) <= room else text[: room - 1] + "…"
+
+    for s in sorted(strategies, key=lambda s: (s.preset, s.name)):
+        cells = [
+            names[s.name],
+            s.distribution.removeprefix("torchstash-").replace("torchstash", "core"),
             "yes" if s.lossless else "no",
-            ", ".join(s.options()),
-            s.summary,
-        )
+            *([", ".join(s.options())] if wrap else []),
+            cut(s.summary),
+        ]
+        t.add_row(*cells)
     console.print(t)
     p = Table(title="plug-ins (entry point group torchstash.plugins)")
     for col in ("prefix", "distribution", "version", "status", "strategies"):
@@ -243,6 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("list", help="installed strategies and plug-ins")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("-v", "--verbose", action="store_true", help="options and whole summaries")
     p = sub.add_parser("doctor", help="torch, CUDA, compiler, kernels, plug-in errors")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-build", action="store_true", help="do not try to build the kernels")

@@ -7,6 +7,7 @@ import io
 import json
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -141,11 +142,24 @@ class Report:
         )
         return t
 
+    def declined(self) -> dict[str, int]:
+        """Why tensors were kept as they are, over every module: reason -> count."""
+        total: Counter[str] = Counter()
+        for r in self.rows:
+            total.update(r.declined)
+        return dict(total.most_common())
+
     def __str__(self) -> str:
         from rich.console import Console
 
         buf = io.StringIO()
-        Console(file=buf, width=110, force_terminal=False, color_system=None).print(self.table(20))
+        console = Console(file=buf, width=110, force_terminal=False, color_system=None)
+        console.print(self.table(20))
+        reasons = self.declined()
+        if reasons:
+            console.print("kept as they are (tensors, why):")
+            for why, n in reasons.items():
+                console.print(f"  {n} x {why}", markup=False)
         return buf.getvalue()
 
     def plot(self, path: str | Path, top: int = 15) -> Path:

@@ -53,6 +53,23 @@ class Tally:
             self.rows.clear()
             self.param_refs = 0
 
+    def __repr__(self) -> str:
+        """One line a person can read: the totals, the ratio, and why tensors were kept."""
+        rows = list(self.rows.values())
+        raw, stored = self.raw_bytes, self.stored_bytes
+        ratio = f"{raw / stored:.2f}x" if stored else "-"
+        compressed = sum(r.compressed for r in rows)
+        derived = sum(r.derived for r in rows)
+        declined: Counter[str] = Counter()
+        for r in rows:
+            declined.update(r.declined)
+        top = "; ".join(f"{n} x {why}" for why, n in declined.most_common(2))
+        return (
+            f"<Tally: {raw / 2**20:.3f} MB saved by stock, {stored / 2**20:.3f} MB stored "
+            f"({ratio}) in {len(rows)} module(s); {compressed} compressed, {derived} recomputed, "
+            f"{sum(declined.values())} kept as they are{': ' + top if top else ''}>"
+        )
+
     @property
     def raw_bytes(self) -> int:
         return sum(r.raw_bytes for r in self.rows.values())
