@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import importlib
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -279,3 +280,32 @@ def test_hf_trainer_callback_counts_optimizer_steps(tmp_path: Path) -> None:
     # Two micro-batches of one shape per optimizer step: twice the bytes, all stored as is.
     assert all(b["torchstash/raw_mb"] == 2 * a["torchstash/raw_mb"] for a, b in zip(one, two))
     assert all(e["torchstash/ratio"] == 1.0 and e["torchstash/saved_mb"] == 0 for e in one + two)
+
+
+def test_hf_one_line_enable_trains_with_the_trainer_and_disables(tmp_path: Path) -> None:
+    """``enable(model, strategy)``, as ``gradient_checkpointing_enable()``: the Trainer trains
+    the model with it (alone and with checkpointing on), and ``disable`` makes it stock."""
+    tf = _library("transformers")
+    from torchstash.integrations.hf import disable, enable, is_enabled
+
+    trainer = _hf_trainer(tmp_path, tf.TrainerCallback())
+    model = trainer.model
+    hooks, keys = _hooks(model), list(model.state_dict())
+    handle = enable(model, "quant.int8")
+    assert is_enabled(model)
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    # int8 codes; GPT-2's SDPA with dropout keeps its attention saves exact (the README)
+    assert handle.tally.raw_bytes > 2 * handle.tally.stored_bytes > 0
+    disable(model)
+    assert not is_enabled(model) and _hooks(model) == hooks and list(model.state_dict()) == keys
+    checkpointed = _hf_trainer(tmp_path / "ckpt", tf.TrainerCallback())
+    checkpointed.model.activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"use_reentrant": False}
+    )
+    enable(checkpointed.model, "quant.int8")
+    checkpointed.train()
+    losses = [e["loss"] for e in checkpointed.state.log_history if "loss" in e]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    disable(checkpointed.model)

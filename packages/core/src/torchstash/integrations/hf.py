@@ -1,13 +1,18 @@
-"""A Hugging Face ``Trainer`` callback: torchstash on the model for the length of ``train()``.
+"""Hugging Face: one call on the model, as ``gradient_checkpointing_enable()`` is, or a
+``Trainer`` callback that applies torchstash for the length of ``train()`` and logs it.
 
-trainer = Trainer(model, args, train_dataset=ds, callbacks=[TorchstashTrainerCallback("quant.int8")])
+    from torchstash.integrations.hf import enable
+    enable(model, "quant.int8")          # the model keeps the strategy until disable(model)
+
+    trainer = Trainer(model, args, train_dataset=ds,
+                      callbacks=[TorchstashTrainerCallback("quant.int8")])  # logs saved MB
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..api import Handle, PolicyLike
+from ..api import Handle, PolicyLike, apply, handle_of, remove
 from . import Meter, missing
 
 try:
@@ -15,7 +20,30 @@ try:
 except ImportError as e:
     raise missing("hf", "transformers", "hf") from e
 
-__all__ = ["TorchstashTrainerCallback"]
+__all__ = ["TorchstashTrainerCallback", "disable", "enable", "is_enabled"]
+
+
+def enable(
+    model: Any,
+    strategy: str | None = "quant.int8",
+    *,
+    policy: PolicyLike | None = None,
+    **options: Any,
+) -> Handle:
+    """Make ``model`` (a ``PreTrainedModel`` or any ``nn.Module``) save less for backward, in
+    place, until :func:`disable`: the counterpart of ``model.gradient_checkpointing_enable()``
+    and compatible with it. Returns the :class:`~torchstash.Handle` (``handle.tally`` counts
+    what was saved). The weights, ``state_dict`` and ``save_pretrained`` are unchanged."""
+    return apply(model, strategy if policy is None else None, policy=policy, **options)
+
+
+def disable(model: Any) -> None:
+    """Undo :func:`enable`: the model saves what stock PyTorch saves again."""
+    remove(model)
+
+
+def is_enabled(model: Any) -> bool:
+    return handle_of(model) is not None
 
 
 class TorchstashTrainerCallback(TrainerCallback):
