@@ -268,3 +268,33 @@ def test_a_failed_strategy_fails_the_command(
     assert demo.main([*quick, "--strategies", HALF]) == 0
     assert demo.main([*quick, "--strategies", f"{CRASH},{HALF}"]) == 1
     capsys.readouterr()
+
+
+def test_demo_prints_a_line_per_run_where_no_bar_can_draw(
+    demo_run: tuple[demo.DemoResult, str],
+) -> None:
+    """Not a terminal (a log, CI, ``| tee``): one line per finished run, failures included."""
+    _, text = demo_run
+    assert "[1/5] stock: 6 steps in" in text
+    assert f"[4/5] {CRASH}: failed after" in text
+
+
+def test_spread_marks_the_time_column_on_a_busy_machine() -> None:
+    assert demo.spread([1.0] * 10) == 0.0
+    assert demo.spread([1.0, 1.0, 1.0]) is None
+    noisy = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 3.0, 0.5, 0.5]
+    assert demo.spread(noisy) is not None and demo.spread(noisy) > demo.UNRELIABLE_SPREAD
+    run = demo.RunResult("stock", True, log_every=1, tail=1)
+    run.step_spread = 0.9
+    result = demo.DemoResult([run], demo.DemoConfig(), 1, 0, "cpu", 1, {}, 1)
+    assert "unreliable" in (demo.times_unreliable(result) or "")
+    run.step_spread = 0.1
+    assert demo.times_unreliable(result) is None
+
+
+def test_plot_gives_every_run_its_own_line() -> None:
+    styles = {
+        (s["color"], s.get("linestyle", "-"))
+        for s in (demo._line_style(i, f"s{i}") for i in range(1, 25))
+    }
+    assert len(styles) == 24

@@ -202,6 +202,8 @@ class RunResult:
     compressed: int | None = None
     declined: dict[str, int] = field(default_factory=dict)
     step_ms: float | None = None
+    #: (90th - 10th percentile) / median of the timed steps: how much they varied
+    step_spread: float | None = None
     time_ratio: float | None = None
     delta_train_pct: float | None = None
     delta_val_pct: float | None = None
@@ -357,7 +359,9 @@ def train(setup: Setup, strategy: str | None, advance: Callable[[], None]) -> Ru
         _tally_into(run, handle.tally if handle is not None else stock_tally(model, x, y))
         run.rewritten = len(handle.rewrites) if handle is not None else 0
         run.val_loss = evaluate(model, setup.corpus.val, setup.val, cfg)
-        run.step_ms = statistics.median(times[cfg.timing_skip :] or times) * 1e3
+        timed = times[cfg.timing_skip :] or times
+        run.step_ms = statistics.median(timed) * 1e3
+        run.step_spread = spread(timed)
     except Exception as e:  # one strategy's failure must not stop the others
         run.error = error_text(e)
         for _ in range(setup.steps - done):
@@ -367,6 +371,32 @@ def train(setup: Setup, strategy: str | None, advance: Callable[[], None]) -> Ru
             handle.remove()
     run.wall_s = time.perf_counter() - t_start
     return run
+
+
+#: Above this spread of stock's step times (see :func:`spread`) the time column is marked as
+#: unreliable: another process shared the cores (a quiet run here: 0.05-0.15).
+UNRELIABLE_SPREAD = 0.3
+
+
+def spread(times: Sequence[float]) -> float | None:
+    """(90th - 10th percentile) / median of ``times``; None for fewer than 5."""
+    if len(times) < 5:
+        return None
+    cuts = statistics.quantiles(times, n=10)
+    median = statistics.median(times)
+    return (cuts[-1] - cuts[0]) / median if median > 0 else None
+
+
+def times_unreliable(result: DemoResult) -> str | None:
+    """Why the time column says little, or None: stock's own steps varied a lot."""
+    s = result.stock.step_spread
+    if s is not None and s > UNRELIABLE_SPREAD:
+        return (
+            f"stock's step times varied by {100 * s:.0f}% of their median (10th to 90th "
+            "percentile): the machine was busy, so the time column is unreliable (marked ?); "
+            "rerun on an idle machine for speed"
+        )
+    return None
 
 
 def relate(run: RunResult, stock: RunResult) -> None:
@@ -510,15 +540,29 @@ def run_demo(
 
 
 def _train_all(setup: Setup, names: Sequence[str], console: Console) -> list[RunResult]:
+    """Every run, with a progress bar on a terminal and a line per finished run otherwise (a
+    log, CI, ``| tee``: the bar draws nothing there, and the runs take minutes)."""
     runs: list[RunResult] = []
+    total = 1 + len(names)
     with progress_bar(console) as bar:
-        task = bar.add_task(STOCK, total=setup.steps * (1 + len(names)))
-        for name in [None, *names]:
+        task = bar.add_task(STOCK, total=setup.steps * total)
+        for i, name in enumerate([None, *names], 1):
             bar.update(task, description=escape(name or STOCK))
             run = train(setup, name, lambda: bar.advance(task))
             relate(run, runs[0] if runs else run)
             runs.append(run)
+            if not console.is_terminal:
+                console.print(f"[{i}/{total}] {escape(_progress_line(run))}", highlight=False)
     return runs
+
+
+def _progress_line(run: RunResult) -> str:
+    if run.error:
+        return f"{run.strategy}: failed after {run.wall_s:.1f} s: {run.error}"
+    return (
+        f"{run.strategy}: {len(run.losses)} steps in {run.wall_s:.1f} s, "
+        f"val loss {fmt(run.val_loss, '.4f')} ({fmt(run.delta_val_pct, '+.2f', '%')} vs stock)"
+    )
 
 
 # -- output ---------------------------------------------------------------------------------
@@ -542,12 +586,13 @@ def demo_table(result: DemoResult) -> Table:
     t.add_column("strategy", no_wrap=True)
     for col in ("saved MB", "ratio", "time", "train loss", "val loss", "val vs stock"):
         t.add_column(col, justify="right", min_width=6)
+    mark = "?" if times_unreliable(result) else ""
     for r in result.runs:
         t.add_row(
             escape(r.strategy) + (" [red](failed)[/red]" if r.error else ""),
             fmt(None if r.saved_bytes is None else r.saved_bytes / MB, ".2f"),
             fmt(r.ratio, ".2f", "x"),
-            fmt(r.time_ratio, ".2f", "x"),
+            fmt(r.time_ratio, ".2f", "x" + mark),
             fmt(r.train_loss, ".4f"),
             fmt(r.val_loss, ".4f"),
             fmt(r.delta_val_pct, "+.2f", "%"),
@@ -568,8 +613,29 @@ def _footer(result: DemoResult, console: Console) -> None:
         f"({fmt(stock.step_ms, '.1f')} ms) in this process; train loss = mean of the last "
         f"{result.config.tail} steps; val loss on {result.config.val_batches} held-out batches."
     )
+    unreliable = times_unreliable(result)
+    if unreliable:
+        console.print(f"[yellow]{escape(unreliable)}[/yellow]")
     written = [p for p in (result.json_path, result.png_path) if p is not None]
     console.print(f"wrote {escape(', '.join(str(p) for p in written))}; took {result.wall_s:.1f} s")
+
+
+#: 10 colours by 4 line styles: every run its own line, however many (the colour cycle alone
+#: repeated from the 11th, and two strategies shared a colour)
+_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+            "#7f7f7f", "#bcbd22", "#17becf")  # fmt: skip
+_DASHES = ("-", "--", "-.", ":")
+
+
+def _line_style(i: int, strategy: str) -> dict[str, Any]:
+    if strategy == STOCK:
+        return {"color": "black", "linewidth": 2.2}
+    k = i - 1
+    return {
+        "color": _COLOURS[k % len(_COLOURS)],
+        "linestyle": _DASHES[(k // len(_COLOURS)) % len(_DASHES)],
+        "linewidth": 1.2,
+    }
 
 
 def save_plot(result: DemoResult, path: Path, console: Console) -> Path | None:
@@ -584,10 +650,9 @@ def save_plot(result: DemoResult, path: Path, console: Console) -> Path | None:
     fig = Figure(figsize=(12, 4.8))
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
     ok = [r for r in result.runs if r.error is None]
-    for r in ok:
+    for i, r in enumerate(ok):
         steps, losses = zip(*r.curve) if r.curve else ((), ())
-        style = {"color": "black", "linewidth": 2.2} if r.strategy == STOCK else {"linewidth": 1.2}
-        left.plot(steps, losses, label=r.strategy, **style)
+        left.plot(steps, losses, label=r.strategy, **_line_style(i, r.strategy))
     left.set(
         xlabel="step",
         ylabel=f"train loss (mean of {result.config.log_every} steps)",
@@ -598,15 +663,16 @@ def save_plot(result: DemoResult, path: Path, console: Console) -> Path | None:
     names = [r.strategy for r in ok]
     right.barh(names, [(r.raw_bytes or 0) / MB for r in ok], color="#dddddd")
     right.barh(names, [(r.saved_bytes or 0) / MB for r in ok], color="#1f77b4")
+    mark = "?" if times_unreliable(result) else ""
     for i, r in enumerate(ok):
-        right.text(
-            (r.saved_bytes or 0) / MB, i, f" {fmt(r.ratio, '.2f', 'x')}", va="center", fontsize=8
-        )
+        label = f" {fmt(r.ratio, '.2f', 'x')} less, {fmt(r.time_ratio, '.2f', 'x' + mark)} time"
+        right.text((r.saved_bytes or 0) / MB, i, label, va="center", fontsize=8)
     right.invert_yaxis()
-    right.set_xlim(0, max([(r.raw_bytes or 0) / MB for r in ok], default=1) * 1.2 or 1)
+    right.set_xlim(0, max([(r.raw_bytes or 0) / MB for r in ok], default=1) * 1.6 or 1)
     right.set(
         xlabel="saved for backward in one step (MB); grey: stock",
-        title="memory saved for backward (raw / kept)",
+        title="memory kept for backward, and step time against stock's"
+        + (" (? busy machine)" if mark else ""),
     )
     fig.suptitle(f"torchstash demo: char-level GPT on {result.device}, {result.steps} steps")
     fig.tight_layout()
