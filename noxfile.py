@@ -16,7 +16,9 @@ nox.needs_version = ">=2024.3.2"
 nox.options.default_venv_backend = "virtualenv"
 nox.options.reuse_existing_virtualenvs = False
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["lint", "typecheck", "tests", "integration", "ecosystem", "kernels"]
+nox.options.sessions = [
+    "lint", "typecheck", "tests", "integration", "ecosystem", "kernels", "floors",
+]  # fmt: skip
 
 TORCH = os.environ.get("TORCHSTASH_TORCH", "torch==2.13.0")
 # The ecosystem session's pair: PyPI's torchvision does not load beside the 2.13.0 CPU wheel,
@@ -32,6 +34,8 @@ PLUGINS = sorted(
     if p.name != "core" and (p / "pyproject.toml").is_file()
 )
 TEST_DEPS = ["pytest>=8", "numpy", "hypothesis>=6", "import-linter>=2.1"]
+#: the floors packages/core/pyproject.toml declares, installed exactly by the floors session
+FLOORS = {"torch": "2.13.0", "rich": "13.3.0", "ninja": "1.11.1", "numpy": "1.26.0"}
 SRC_DIRS = ["packages/core/src", *(f"packages/{p}/src" for p in PLUGINS)]
 
 
@@ -102,9 +106,26 @@ def ecosystem(session: nox.Session) -> None:
 
 
 @nox.session
+def floors(session: nox.Session) -> None:
+    """The core's suite with every dependency at the floor its metadata declares (a floor we
+    do not test is a promise we cannot keep)."""
+    pins = [f"{name}=={version}" for name, version in FLOORS.items()]
+    session.install(*pins)
+    session.install(*pins, "./packages/core", "pytest>=8", "hypothesis>=6", "import-linter>=2.1")
+    probe = "; ".join(
+        f"import importlib.metadata as m; assert m.version({n!r}).split('+')[0] == {v!r}, "
+        f"({n!r}, m.version({n!r}))"
+        for n, v in FLOORS.items()
+    )
+    session.run("python", "-c", probe)
+    _pytest(session, "packages/core/tests")
+
+
+@nox.session
 def kernels(session: nox.Session) -> None:
     """CPU build and parity, the speed check against the reference, nvcc -c on every .cu."""
     _install(session, "core")
+    session.run("torchstash", "build")  # ahead of the tests, as a user's setup step would
     _pytest(session, "packages/core/tests/test_kernels.py")
     session.run(
         "python", "-m", "torchstash.kernels.bench", "--mib", "64", "--threads", "1", "--check", "5"
