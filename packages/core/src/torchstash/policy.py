@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from . import tags
 from .errors import PolicyError
