@@ -665,14 +665,17 @@ def save_plot(result: DemoResult, path: Path, console: Console) -> Path | None:
     right.barh(names, [(r.saved_bytes or 0) / MB for r in ok], color="#1f77b4")
     mark = "?" if times_unreliable(result) else ""
     for i, r in enumerate(ok):
-        label = f" {fmt(r.ratio, '.2f', 'x')} less, {fmt(r.time_ratio, '.2f', 'x' + mark)} time"
+        label = (
+            f" {fmt(r.step_ms, '.1f')} ms a step"
+            if r.strategy == STOCK
+            else f" {fmt(r.ratio, '.2f', 'x')} less, {fmt(r.time_ratio, '.2f', 'x' + mark)} time"
+        )
         right.text((r.saved_bytes or 0) / MB, i, label, va="center", fontsize=8)
     right.invert_yaxis()
     right.set_xlim(0, max([(r.raw_bytes or 0) / MB for r in ok], default=1) * 1.6 or 1)
     right.set(
         xlabel="saved for backward in one step (MB); grey: stock",
-        title="memory kept for backward, and step time against stock's"
-        + (" (? busy machine)" if mark else ""),
+        title="memory kept, step time vs stock" + (" (? busy machine)" if mark else ""),
     )
     fig.suptitle(f"torchstash demo: char-level GPT on {result.device}, {result.steps} steps")
     fig.tight_layout()
