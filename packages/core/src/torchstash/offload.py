@@ -63,13 +63,8 @@ class CpuOffload(BaseCompressor):
         side = self._stream(x.device)
         current = torch.cuda.current_stream(x.device)
         # the host copy keeps a dense tensor's strides, so the copy back has them too
-        strides = dense_strides(x)
-        host = torch.empty_strided(
-            x.shape,
-            x.stride() if strides is not None else contiguous_strides(x.shape),
-            dtype=x.dtype,
-            pin_memory=self.pin_memory,
-        )
+        strides = dense_strides(x) or contiguous_strides(x.shape)
+        host = torch.empty_strided(x.shape, strides, dtype=x.dtype, pin_memory=self.pin_memory)
         side.wait_stream(current)  # x is complete before the copy starts
         with torch.cuda.stream(side):
             host.copy_(x, non_blocking=self.pin_memory)
