@@ -46,6 +46,10 @@ ACT_DEFAULT: dict[int, int | None] = {1: None, 2: 4, 4: 8, 8: None}
 ATTN_DEFAULT: dict[int, int | None] = {1: None, 2: 4, 4: None, 8: None}
 
 
+#: ``norm_bits="auto"`` per width: normalization inputs at 8 bits under 4, at 4 below.
+NORM_DEFAULT: dict[int, int | None] = {1: 4, 2: 4, 4: 8, 8: None}
+
+
 def quant(
     bits: int = 8,
     group_size: int = 256,
@@ -72,7 +76,7 @@ def quant(
     width = check_deriv_bits(deriv_bits, name, DERIV_DEFAULT.get(values.bits))
     derivs = None if width is None else DerivCoder(width, stochastic, seed)
     if norm_bits == "auto":
-        norm_bits = {8: None, 4: 8}.get(bits, 4)
+        norm_bits = NORM_DEFAULT.get(bits)
     elif norm_bits is not None and not isinstance(norm_bits, int):
         raise OptionError(
             f"{name}: option norm_bits={norm_bits!r} must be 1, 2, 4, 8, 'auto' or None"
@@ -142,6 +146,11 @@ def auto(
     values = AutoQuantizer(budget, bits, group_size, interval, stochastic, seed)
     if derive:
         values.unranked_bits = dict(UNRANKED_BITS)
+    start = {
+        "elementwise": ACT_DEFAULT.get(values.default_bits),
+        "norm": NORM_DEFAULT.get(values.default_bits),
+    }
+    values.start_bits = {kind: bits for kind, bits in start.items() if bits is not None}
     default = None if derive or values.budget >= 4 else 2
     width = check_deriv_bits(deriv_bits, "quant.auto", default)
     derivs = None if width is None else DerivCoder(width, stochastic, seed)
