@@ -21,7 +21,6 @@ from torchstash_memsave import (
     MemSaveDropout,
     MemSaveMaxPool2d,
     MemSaveReLU,
-    convert_to_memory_saving,
 )
 
 ZOO = {e.name: e for e in zoo("tiny")}
@@ -130,20 +129,6 @@ def test_families_can_be_turned_off() -> None:
         kinds = {type(rw.replacement).__name__ for rw in handle.rewrites}
     assert not any("ReLU" in k or "Conv" in k for k in kinds)
     assert "MemSaveBatchNorm2d" in kinds
-
-
-def test_convert_to_memory_saving_is_in_place_and_undoable() -> None:
-    model = block()
-    optimizer_params = list(model.parameters())
-    out = convert_to_memory_saving(model, relu=False)
-    assert out is model and list(model.parameters()) == optimizer_params
-    assert isinstance(model[0], MemSaveConv2d) and type(model[2]) is nn.ReLU
-    ts.remove(model)
-    assert type(model[0]) is nn.Conv2d
-    with pytest.raises(OptionError, match="clone_params"):
-        convert_to_memory_saving(block(), clone_params=True)
-    with pytest.raises(OptionError, match="must agree"):
-        convert_to_memory_saving(block(), conv1d=False)
 
 
 def test_from_nn_constructors_share_parameters_and_keep_arguments() -> None:

@@ -1,8 +1,10 @@
-"""Drop-in for memsave_torch's users: ``convert_to_memory_saving`` (and the ``MemSave*``
-layer classes with their ``from_nn_*`` constructors, exported by the package)."""
+"""Drop-in for memsave_torch's users: ``import torchstash_memsave.compat as memsave_torch``,
+then ``memsave_torch.nn.convert_to_memory_saving(model)``, the ``MemSave*`` layers with their
+``from_nn_*`` constructors and ``memsave_torch.nn.functional``'s ``*MemSave`` functions."""
 
 from __future__ import annotations
 
-from .convert import convert_to_memory_saving
+from . import nn
+from .convert import convert_to_memory_saving, recursive_setattr
 
-__all__ = ["convert_to_memory_saving"]
+__all__ = ["convert_to_memory_saving", "nn", "recursive_setattr"]

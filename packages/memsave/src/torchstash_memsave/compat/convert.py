@@ -1,20 +1,38 @@
 """``convert_to_memory_saving``: memsave_torch's one call, as a drop-in for its users.
 
-memsave_torch deep-copied the model and returned the copy, so the parameters it did not
-replace were copies (an optimizer built on the original missed them). This converts the model
-in place through ``torchstash.apply(model, "memsave", ...)`` and returns it: no parameter is
-copied, and ``torchstash.remove(model)`` undoes it.
+Like memsave_torch, it returns a converted copy and leaves ``model`` as it was. Without
+``clone_params`` the copy shares every Parameter and buffer with ``model`` (memsave_torch
+shared only the converted layers', so an optimizer built on ``model`` missed the others);
+with ``clone_params=True`` it is a deep copy, independent of ``model``. The layers are
+converted through ``torchstash.apply(copy, "memsave", ...)``: ``torchstash.remove(copy)``
+gives the stock layers back.
 """
 
 from __future__ import annotations
 
+import copy
+import warnings
 from typing import Any
 
 from torch import nn
 
-from torchstash.errors import OptionError
+from torchstash.errors import NothingToRewriteWarning
 
 from .._options import check_flag
+
+#: (flag, the stock classes it covers) where a flag picks classes out of a family
+CONV_FLAGS = (
+    ("conv1d", (nn.Conv1d, nn.ConvTranspose1d)),
+    ("conv2d", (nn.Conv2d, nn.ConvTranspose2d)),
+    ("conv3d", (nn.Conv3d, nn.ConvTranspose3d)),
+)
+
+
+def shared_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model``'s modules that holds ``model``'s own Parameters and buffers."""
+    memo: dict[int, Any] = {id(t): t for t in model.parameters()}
+    memo.update({id(t): t for t in model.buffers()})
+    return copy.deepcopy(model, memo)
 
 
 def convert_to_memory_saving(
@@ -27,53 +45,68 @@ def convert_to_memory_saving(
     batchnorm2d: bool = True,
     relu: bool = True,
     maxpool2d: bool = True,
-    dropout: bool = True,
     layernorm: bool = True,
+    dropout: bool = True,
     verbose: bool = False,
     clone_params: bool = False,
 ) -> nn.Module:
-    """memsave_torch's flags: each turns a layer family off (the conv flags go together here,
-    as one family with the transposed convs; ``linear`` is accepted and does nothing, since
-    stock PyTorch already saves only what a linear layer's gradients need). ``verbose``
-    prints what was rewritten and what was left alone. ``clone_params=True`` is refused:
-    the layers always share the model's Parameters."""
+    """memsave_torch's flags, each turning a layer family off (``conv1d``, ``conv2d`` and
+    ``conv3d`` the convs and transposed convs of that dimension). ``linear`` is accepted and
+    changes nothing: stock PyTorch already keeps only what a linear layer's gradients need.
+    ``verbose`` prints each replaced layer as memsave_torch did (``replaced <name>``)."""
     from torchstash import apply
 
-    if clone_params:
-        raise OptionError(
-            "convert_to_memory_saving: clone_params=True is not supported; the memory-saving "
-            "layers share the model's Parameters (nothing is copied)"
-        )
     flags = {
+        "linear": linear,
         "conv2d": conv2d,
         "conv1d": conv1d,
         "conv3d": conv3d,
         "batchnorm2d": batchnorm2d,
         "relu": relu,
         "maxpool2d": maxpool2d,
-        "dropout": dropout,
         "layernorm": layernorm,
-        "linear": linear,
+        "dropout": dropout,
         "verbose": verbose,
+        "clone_params": clone_params,
     }
     for flag, value in flags.items():
         check_flag(value, flag, "convert_to_memory_saving")
-    convs = {conv1d, conv2d, conv3d}
-    if len(convs) > 1:
-        raise OptionError(
-            "convert_to_memory_saving: conv1d, conv2d and conv3d must agree here (one family; "
-            "use a torchstash policy to choose layers one by one)"
-        )
+    converted = copy.deepcopy(model) if clone_params else shared_copy(model)
     options: dict[str, Any] = {
-        "conv": conv2d,
+        "conv": conv1d or conv2d or conv3d,
         "batchnorm": batchnorm2d,
         "relu": relu,
         "maxpool": maxpool2d,
         "dropout": dropout,
         "layernorm": layernorm,
     }
-    handle = apply(model, "memsave", **options)
+    classes = tuple(cls for flag, group in CONV_FLAGS if not flags[flag] for cls in group)
+    off = [  # a conv dimension turned off: those layers stay stock
+        {"module": name or "*", "strategy": "none"}
+        for name, module in converted.named_modules()
+        if classes and isinstance(module, classes)
+    ]
+    with warnings.catch_warnings():
+        # memsave_torch returned a model with nothing to convert as it was, silently
+        warnings.simplefilter("ignore", NothingToRewriteWarning)
+        handle = apply(converted, policy=[{"strategy": "memsave", "options": options}, *off])
     if verbose:
         for rw in handle.rewrites:
-            print(f"memsave: {rw.qualname or '(model)'}: {type(rw.replacement).__name__}")
-    return model
+            print(f"replaced {rw.qualname}")
+    return converted
+
+
+def recursive_setattr(obj: nn.Module, attr: str, value: Any, clone_params: bool) -> None:
+    """Set the submodule ``attr`` (a dotted name) of ``obj`` to ``value``; with
+    ``clone_params``, ``value``'s own Parameters are replaced by detached copies first."""
+    if clone_params and isinstance(value, nn.Module):
+        for name, param in list(value._parameters.items()):
+            if param is not None:
+                value._parameters[name] = nn.Parameter(
+                    param.detach().clone(), requires_grad=param.requires_grad
+                )
+    head, _, rest = attr.partition(".")
+    if rest:
+        recursive_setattr(getattr(obj, head), rest, value, False)
+    else:
+        setattr(obj, head, value)
