@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 import torchstash as ts
 from torchstash.errors import OptionError
-from torchstash_dropit import MinK, to_dropit
+from torchstash_dropit import MinK
 from torchstash_dropit.storage import BITMAP, DENSE, OFFSETS, cheapest, cost
 
 
@@ -304,34 +304,6 @@ def test_random_is_unbiased() -> None:
     err = (draws.mean(0) - x.double()).reshape(16, -1).sum(1)
     sd = (draws.var(0) / 400).reshape(16, -1).sum(1).sqrt()
     assert float((err / sd).abs().max()) < 5
-
-
-def test_to_dropit_is_a_drop_in_and_honours_no_dropit() -> None:
-    model = mlp()
-    model[2].no_dropit = True
-    assert to_dropit(model, strategy="mink", gamma=0.9) is model
-    x = torch.randn(8, 16, 64)
-    model(x).square().mean().backward()
-    ts.remove(model)
-    with pytest.raises(OptionError, match="strategy='topk'"):
-        to_dropit(mlp(), strategy="topk")
-    model = mlp()
-    model.no_dropit = True
-    with pytest.raises(OptionError, match="marked no_dropit"):
-        to_dropit(model)
-
-
-def test_to_dropit_no_dropit_layer_stays_exact() -> None:
-    model = mlp()
-    x = torch.randn(8, 16, 64)
-    ref, _, _ = grads(model, x)
-    model[2].no_dropit = True
-    to_dropit(model, "mink", 0.9, autocast=False)
-    model.zero_grad(set_to_none=True)
-    model(x).square().mean().backward()
-    assert torch.equal(model[2].weight.grad, ref["2.weight"])
-    assert not torch.equal(model[0].weight.grad, ref["0.weight"])
-    ts.remove(model)
 
 
 def test_tiny_tensors_are_declined() -> None:

@@ -6,6 +6,9 @@ from torchstash.errors import OptionError
 
 SCOPES = ("tensor", "sample", "row", "feature")
 STORAGES = ("auto", "bitmap", "offsets")
+KEEPS = ("ceil", "floor")
+DENSES = ("exact", "drop")
+INDICES = ("device", "cpu")
 FILLS = ("mean", "zero")
 
 

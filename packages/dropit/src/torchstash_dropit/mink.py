@@ -36,7 +36,17 @@ from torchstash.packed import Packed
 from torchstash.site import Site
 
 from . import storage
-from ._options import FILLS, SCOPES, STORAGES, check_choice, check_gamma, check_min_numel
+from ._options import (
+    DENSES,
+    FILLS,
+    INDICES,
+    KEEPS,
+    SCOPES,
+    STORAGES,
+    check_choice,
+    check_gamma,
+    check_min_numel,
+)
 from .sites import batch_of_op, why_not_linear_input
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -61,6 +71,9 @@ class MinK(BaseCompressor):
         min_numel: int = MIN_NUMEL,
         name: str = "dropit.mink",
         fill: str = "zero",
+        keep: str = "ceil",
+        dense: str = "exact",
+        indices: str = "device",
     ) -> None:
         self.name = name
         self.gamma = check_gamma(gamma, name)
@@ -73,6 +86,16 @@ class MinK(BaseCompressor):
         self.exact = exact
         self.min_numel = check_min_numel(min_numel, name)
         self.fill = check_choice(fill, "fill", FILLS, name)
+        #: how the kept count per segment is rounded: up (at least one value stays) or down
+        #: (DropIT's ``int(numel * (1 - gamma))``)
+        self.keep = check_choice(keep, "keep", KEEPS, name)
+        #: where no sparse form is smaller: ``"exact"`` stores the tensor as it is (gradients
+        #: exact), ``"drop"`` drops all the same and stores the rest dense (DropIT's gradients,
+        #: with no saving: what DropIT did at small gammas)
+        self.dense = check_choice(dense, "dense", DENSES, name)
+        #: where the positions of the kept entries live: on the tensor's device, or in host
+        #: memory (DropIT's ``mink_cpuidx``), brought back for the backward
+        self.indices = check_choice(indices, "indices", INDICES, name)
 
     # -- what it takes -------------------------------------------------------------------------
 
@@ -99,7 +122,10 @@ class MinK(BaseCompressor):
         return x.permute(perm).contiguous(), tuple(inverse)
 
     def kept_per_segment(self, length: int) -> int:
-        """``ceil((1 - gamma) * length)``: at least one value of a non-empty segment stays."""
+        """``ceil((1 - gamma) * length)``: at least one value of a non-empty segment stays
+        (``keep="floor"``: DropIT's ``int((1 - gamma) * length)``, which may be none)."""
+        if self.keep == "floor":
+            return min(length, int((1.0 - self.gamma) * length))
         return min(length, math.ceil((1.0 - self.gamma) * length - 1e-9))
 
     def plan(self, x: torch.Tensor, site: Site | None = None) -> tuple[int, int, str]:
@@ -136,7 +162,7 @@ class MinK(BaseCompressor):
                 f"{x.numel()} elements is below min_numel={self.min_numel}: "
                 "too small to save anything"
             ]
-        if self.plan(x, site)[2] == storage.DENSE:
+        if self.plan(x, site)[2] == storage.DENSE and self.dense == "exact":
             return [
                 f"at gamma={self.gamma} no sparse form of a {x.dtype} tensor is smaller than dense"
             ]
@@ -155,11 +181,24 @@ class MinK(BaseCompressor):
 
     def compress(self, x: torch.Tensor, site: Site) -> Packed | torch.Tensor:
         segments, k, form = self.plan(x, site)
-        if form == storage.DENSE:
+        if form == storage.DENSE and self.dense == "exact":
             return x
         flat, inverse = self.ordered(x, site)
         mask = self.select(flat, segments, k)
         kept = segments * k
+        if form == storage.DENSE:  # dense="drop": the dropped entries zeroed, stored dense
+            dropped = mask_scatter(mask, self.kept_values(flat, mask, kept, segments), x.numel())
+            out = restore(dropped, x.shape, inverse)
+            if self.fill_features(x, site):
+                feature = feature_dim(x, site)
+                present = restore(unpack_mask(mask, x.numel()), x.shape, inverse)
+                shape = [1] * x.dim()
+                shape[feature] = int(x.shape[feature])
+                fill = dropped_means(x, present, feature).to(x.dtype).view(shape)
+                out = torch.where(present, out, fill)
+            packed = Packed.like(x, self.name, values=out)
+            packed.meta.update(form=form)
+            return packed
         values = self.kept_values(flat, mask, kept, segments)
         packed = Packed.like(x, self.name, values=values)
         if form == storage.BITMAP:
@@ -168,6 +207,11 @@ class MinK(BaseCompressor):
             offsets, counts = mask_offsets(mask, x.numel(), kept)
             packed.tensors.update(offsets=offsets, counts=counts)
         packed.meta.update(form=form, order=inverse, segments=segments, k=k)
+        if self.indices == "cpu":
+            for key in ("mask", "offsets", "counts"):
+                index = packed.tensors.get(key)
+                if isinstance(index, torch.Tensor):
+                    packed.tensors[key] = index.to("cpu", non_blocking=index.is_cuda)
         if self.fill_features(x, site):
             feature = feature_dim(x, site)
             present = restore(unpack_mask(mask, x.numel()), x.shape, inverse)
@@ -178,14 +222,19 @@ class MinK(BaseCompressor):
     def decompress(self, packed: Packed) -> torch.Tensor:
         values = packed.tensors["values"]
         assert isinstance(values, torch.Tensor)
+        if packed.meta["form"] == storage.DENSE:
+            return values.to(packed.dtype)
         n = packed.numel
         if packed.meta["form"] == storage.BITMAP:
             mask = packed.tensors["mask"]
             assert isinstance(mask, torch.Tensor)
+            mask = mask.to(values.device, non_blocking=True)
             flat = mask_scatter(mask, values.to(packed.dtype), n)
         else:
             offsets, counts = packed.tensors["offsets"], packed.tensors["counts"]
             assert isinstance(offsets, torch.Tensor) and isinstance(counts, torch.Tensor)
+            offsets = offsets.to(values.device, non_blocking=True)
+            counts = counts.to(values.device, non_blocking=True)
             flat = offsets_scatter(offsets, counts, values.to(packed.dtype), n)
         order = packed.meta["order"]
         assert order is None or isinstance(order, tuple)

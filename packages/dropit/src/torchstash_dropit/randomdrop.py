@@ -29,10 +29,23 @@ class RandomDrop(MinK):
         seed: int | None = None,
         min_numel: int = MIN_NUMEL,
         name: str = "dropit.random",
+        keep: str = "ceil",
+        dense: str = "exact",
+        indices: str = "device",
     ) -> None:
         from ._options import check_gamma
 
-        super().__init__(check_gamma(p, name, "p"), scope, storage_form, True, min_numel, name)
+        super().__init__(
+            check_gamma(p, name, "p"),
+            scope,
+            storage_form,
+            True,
+            min_numel,
+            name,
+            keep=keep,
+            dense=dense,
+            indices=indices,
+        )
         self.seeds = SeedStream(seed)
 
     def select(self, flat: torch.Tensor, segments: int, k: int) -> torch.Tensor:
@@ -47,4 +60,5 @@ class RandomDrop(MinK):
     ) -> torch.Tensor:
         """The kept entries scaled by ``L / k``, so their expectation is the dense tensor."""
         k = kept // segments
-        return mask_compact(flat, mask, kept).mul_((flat.numel() // segments) / k)
+        values = mask_compact(flat, mask, kept)
+        return values.mul_((flat.numel() // segments) / k) if k else values

@@ -18,8 +18,13 @@ def mink(
     exact: bool = True,
     min_numel: int = 4096,
     fill: str = "zero",
+    keep: str = "ceil",
+    dense: str = "exact",
+    indices: str = "device",
 ) -> MinK:
-    return MinK(gamma, scope, storage, exact, min_numel, fill=fill)
+    return MinK(
+        gamma, scope, storage, exact, min_numel, fill=fill, keep=keep, dense=dense, indices=indices
+    )
 
 
 def random(
@@ -28,8 +33,11 @@ def random(
     storage: str = "auto",
     seed: int | None = None,
     min_numel: int = 4096,
+    keep: str = "ceil",
+    dense: str = "exact",
+    indices: str = "device",
 ) -> RandomDrop:
-    return RandomDrop(p, scope, storage, seed, min_numel)
+    return RandomDrop(p, scope, storage, seed, min_numel, keep=keep, dense=dense, indices=indices)
 
 
 def register(registry: Registry) -> None:

@@ -1,7 +1,10 @@
-"""Drop-in for DropIT's users: ``to_dropit(model, strategy, gamma)`` and ``no_dropit_rules``."""
+"""Drop-in for DropIT's users: ``import torchstash_dropit.compat as dropit``, then
+``dropit.to_dropit(model, strategy, gamma)`` and ``dropit.dropiter.DropITer`` as before."""
 
 from __future__ import annotations
 
-from .convert import STRATEGIES, no_dropit_rules, to_dropit
+from . import dropiter
+from .convert import STRATEGIES, dropit_rules, to_dropit
+from .dropiter import DropITer
 
-__all__ = ["STRATEGIES", "no_dropit_rules", "to_dropit"]
+__all__ = ["STRATEGIES", "DropITer", "dropit_rules", "dropiter", "to_dropit"]

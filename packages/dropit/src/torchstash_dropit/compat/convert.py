@@ -1,11 +1,15 @@
 """``to_dropit``: DropIT's one-call conversion, as a drop-in for its users.
 
-DropIT's ``to_dropit(model, strategy, gamma, autocast)`` patched the forward of layers whose
-type was exactly ``nn.Linear``, ``nn.Conv2d`` or GPT-2's ``Conv1D``, and crashed without
-``autocast``. This one applies the ``dropit.<strategy>`` strategy through the core's engine,
-so every linear-type op is reached (subclasses, ``F.linear``, ``nn.MultiheadAttention``),
-autocast's dtype is whatever the saved tensor has, and a module with a true ``no_dropit``
-attribute (and everything inside it) is left exact, as DropIT's opt-out did.
+DropIT's ``to_dropit(model, strategy, gamma, autocast)`` swapped the forward of each module
+whose type is exactly ``nn.Linear``, ``nn.Conv2d`` or Hugging Face's GPT-2 ``Conv1D``, unless
+the module has a ``no_dropit`` attribute (whatever its value; its children are still
+converted), and ranked each saved input over the whole tensor, keeping
+``int(numel * (1 - gamma))`` entries of every tensor, however small. This does the same
+through the core's engine (``torchstash.remove(model)`` undoes it) with the same selection,
+so the weight gradients are DropIT's; where no sparse form is smaller than the tensor (small
+gammas), DropIT's drop is kept and the rest stored dense, as DropIT did (it then cost more
+than stock). ``torchstash.apply(model, "dropit.mink")`` is torchstash's own, with other
+defaults (see the README).
 """
 
 from __future__ import annotations
@@ -16,50 +20,64 @@ from torch import nn
 
 from torchstash.errors import OptionError
 
-STRATEGIES = ("mink", "random")
+#: DropIT's strategy -> (torchstash strategy, its options)
+STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "mink": ("dropit.mink", {}),
+    "mink_cpuidx": ("dropit.mink", {"indices": "cpu"}),
+    "vrandom": ("dropit.random", {}),
+}
+#: DropIT's selection and storage rules, as options of both strategies
+UPSTREAM = {"scope": "tensor", "min_numel": 1, "keep": "floor", "dense": "drop"}
 
 
-def no_dropit_rules(model: nn.Module) -> list[dict[str, Any]]:
-    """Policy rules that leave the modules marked ``no_dropit`` (and their children) exact."""
-    rules: list[dict[str, Any]] = []
-    for name, module in model.named_modules():
-        if getattr(module, "no_dropit", False):
-            if not name:
-                raise OptionError(
-                    "to_dropit: the model itself is marked no_dropit, so nothing would be "
-                    "dropped; remove the attribute or don't convert it"
-                )
-            rules.append({"module": name, "strategy": "none"})
-            rules.append({"module": f"{name}.*", "strategy": "none"})
-    return rules
+def supported_types() -> tuple[type[nn.Module], ...]:
+    """The module types DropIT converts: exactly these, not their subclasses."""
+    types: list[type[nn.Module]] = [nn.Linear, nn.Conv2d]
+    try:
+        from transformers.pytorch_utils import Conv1D
+
+        types.append(Conv1D)
+    except Exception:  # transformers missing or not loadable: no Conv1D to convert
+        pass
+    return tuple(types)
+
+
+def dropit_rules(model: nn.Module, strategy: str, options: dict[str, Any]) -> list[dict[str, Any]]:
+    """One rule per module DropIT would convert (by exact type, not marked ``no_dropit``)."""
+    types = supported_types()
+    return [
+        {"module": name, "strategy": strategy, "options": options}
+        for name, module in model.named_modules()
+        if type(module) in types and not hasattr(module, "no_dropit")
+    ]
 
 
 def to_dropit(
     model: nn.Module,
     strategy: str = "mink",
     gamma: float = 0.9,
-    autocast: bool | None = None,
+    autocast: bool = False,
     **options: Any,
 ) -> nn.Module:
-    """Make ``model`` keep only the largest ``1 - gamma`` share of each linear-type input for
-    its weight gradient (``strategy='random'``: a random share, rescaled). Returns ``model``
-    (changed in place; ``torchstash.remove(model)`` undoes it).
+    """DropIT's call: drop the ``gamma`` share of smallest magnitudes (``"mink"``; its
+    ``"mink_cpuidx"`` keeps the positions in host memory; ``"vrandom"`` a random share) of
+    each converted layer's input for its weight gradient. Returns ``model``, changed in place.
 
-    ``autocast`` is accepted for DropIT's signature and ignored: the saved tensor's dtype
-    (float16 or bfloat16 under autocast, else the model's) is used as it is. Other keyword
-    options go to the strategy (``scope=``, ``storage=``, ``exact=``, ``min_numel=``).
-    """
+    ``autocast`` is accepted for DropIT's signature and changes nothing: under autocast the
+    saved input is already float16 or bfloat16 and is thinned as such. Other keyword options
+    go to the strategy (``scope=``, ``min_numel=``, ``storage=``...), over DropIT's."""
     from torchstash import apply
 
     if strategy not in STRATEGIES:
         raise OptionError(
-            f"to_dropit: strategy={strategy!r} is not known; use one of {', '.join(STRATEGIES)}"
+            f"to_dropit: strategy={strategy!r} is not one of DropIT's: {', '.join(STRATEGIES)}"
         )
-    if autocast is not None and not isinstance(autocast, bool):
-        raise OptionError(f"to_dropit: autocast={autocast!r} must be True, False or None")
-    rate = {"gamma": gamma} if strategy == "mink" else {"p": gamma}
-    rules: list[dict[str, Any]] = [
-        {"strategy": f"dropit.{strategy}", "options": {**rate, **options}}
-    ]
-    apply(model, policy=rules + no_dropit_rules(model))
+    if not isinstance(autocast, bool):
+        raise OptionError(f"to_dropit: autocast={autocast!r} must be True or False")
+    name, extra = STRATEGIES[strategy]
+    rate = {"gamma": gamma} if name == "dropit.mink" else {"p": gamma}
+    rules = dropit_rules(model, name, {**UPSTREAM, **extra, **rate, **options})
+    if not rules:  # DropIT converted nothing and said nothing: the same, without a handle
+        return model
+    apply(model, policy=rules, min_bytes=0)  # DropIT dropped every tensor, however small
     return model
