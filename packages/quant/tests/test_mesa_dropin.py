@@ -86,13 +86,6 @@ def test_deploy_on_init_follows_the_policy(policy_file: Path) -> None:
     assert ts.handle_of(model) is None
 
 
-def test_policy_that_enables_nothing_is_an_error(tmp_path: Path) -> None:
-    p = tmp_path / "p.txt"
-    p.write_text("on conv:\n  by_index: all\n  enable: True\n")
-    with pytest.raises(ts.errors.ApplyError, match="enables no layer"):
-        ms.policy.deploy_on_init(nn.Sequential(nn.Linear(4, 4)), p)
-
-
 def test_layers_compute_what_torch_computes() -> None:
     x = torch.randn(4, 8)
     assert torch.equal(ms.GELU(quant_groups=2)(x), nn.GELU()(x))

@@ -8,6 +8,13 @@ bias 100 before a LayerNorm) then loses everything to the codes' per-group offse
 ``1 / sqrt(eps)``. So each normalized row is coded after subtracting its first element, kept
 exactly: the codes hold only the spread, and a constant row is exactly 0, marked as such and
 restored exactly whatever the codec does with zeros.
+
+A codec whose groups cannot follow the rows (Mesa's: one range per channel group, over all
+rows) gives every row the same absolute error, and a row with a small spread then gets a
+large one after ``rstd`` (rows whose scales differ threefold took a LayerNorm's input
+gradient cosine to 0.66 under ``quant.mesa``). Such a codec says ``scales_rows = True``, and
+each centered row is divided by its largest finite magnitude, kept exactly (float32, one per
+row), so the codes see rows of one scale.
 """
 
 from __future__ import annotations
@@ -41,3 +48,19 @@ def uncenter(
     flat = unpack_mask(constant, offsets.numel())
     rows = torch.where(flat[:, None], 0.0, rows) + offsets.float()[:, None]
     return rows.to(dtype).view(shape)
+
+
+def scale_rows(centered: torch.Tensor, run: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``centered`` with each ``run``-element row divided by its largest finite magnitude
+    (1 where there is none: a constant row, or one of NaN/Inf only), and those scales."""
+    rows = centered.reshape(-1, run)
+    finite = torch.where(rows.isfinite(), rows.abs(), 0.0)
+    scales = finite.amax(dim=1)
+    scales = torch.where(scales > 0, scales, 1.0)
+    return (rows / scales[:, None]).view(centered.shape), scales
+
+
+def unscale_rows(decoded: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """:func:`scale_rows` undone on the decoded values (float32)."""
+    rows = decoded.reshape(scales.numel(), -1).float()
+    return (rows * scales[:, None]).view(decoded.shape)

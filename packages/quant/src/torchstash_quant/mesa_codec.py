@@ -50,6 +50,8 @@ def _inner(shape: torch.Size, axis: int, inverse: tuple[int, ...] | None) -> int
 class MesaQuantizer(BaseCompressor):
     name = "quant.mesa"
     lossless = False
+    #: its groups span rows: a normalization's rows are scaled to one range first (.centered)
+    scales_rows = True
 
     def __init__(
         self,

@@ -37,7 +37,7 @@ from torchstash.signs import pack_sign, unpack_sign
 from torchstash.site import Site
 
 from ._dtypes import dtype_reasons
-from .centered import MIN_CENTERED_ROW, center_rows, uncenter
+from .centered import MIN_CENTERED_ROW, center_rows, scale_rows, uncenter, unscale_rows
 from .derivs import ACT_OPS, DERIV_OPS, DerivCoder, unpack_derivative
 from .derivs import CODEC as DERIV_CODEC
 from .groupwise import GroupQuantizer
@@ -339,6 +339,10 @@ class OpAware(BaseCompressor):
         codec itself."""
         centered, offsets, constant = center_rows(x, run)
         aligned = self._aligned(run)
+        codec = self.values if aligned is not None or self.norms is None else self.norms
+        scales = None
+        if aligned is None and getattr(codec, "scales_rows", False):
+            centered, scales = scale_rows(centered, run)
         if aligned is not None:
             packed = self.values.compress(  # type: ignore[call-arg]
                 centered, site, group_size=aligned, bits=self._stand_in_bits(site)
@@ -353,6 +357,8 @@ class OpAware(BaseCompressor):
             return x  # the codec declined the centered values: kept as is
         packed.tensors["offset"] = offsets
         packed.tensors["constant"] = constant
+        if scales is not None:
+            packed.tensors["row_scale"] = scales
         packed.meta["centered"] = True
         packed.dtype = x.dtype  # the codes hold float32 centered values
         return packed
@@ -382,10 +388,14 @@ class OpAware(BaseCompressor):
         tensors = dict(packed.tensors)
         offsets, constant = tensors.pop("offset"), tensors.pop("constant")
         assert isinstance(offsets, torch.Tensor) and isinstance(constant, torch.Tensor)
+        scales = tensors.pop("row_scale", None)
         meta = {k: v for k, v in packed.meta.items() if k not in ("centered", "channel_major")}
         shape, major = packed.shape, bool(packed.meta.get("channel_major"))
         if major:
             shape = torch.Size([shape[1], shape[0], *shape[2:]])
         inner = replace(packed, shape=shape, dtype=torch.float32, tensors=tensors, meta=meta)
-        x = uncenter(self.decompress(inner), offsets, constant, packed.dtype)
+        decoded = self.decompress(inner)
+        if isinstance(scales, torch.Tensor):
+            decoded = unscale_rows(decoded, scales)
+        x = uncenter(decoded, offsets, constant, packed.dtype)
         return x.transpose(0, 1) if major else x

@@ -4,14 +4,18 @@
     ms.policy.deploy_on_init(model, "policy.txt", verbose=print)
     self.act = ms.GELU(quant_groups=3)          # optional: per-layer groups
 
-and :class:`MesaQuantizer`, the ``quant.mesa`` codec.
+with Mesa's modules ``custom_quant`` (``Quant`` for layers of one's own), ``packbit`` and
+``cc`` (``custom_conv``), and :class:`MesaQuantizer`, the ``quant.mesa`` codec.
 """
 
 from __future__ import annotations
 
 from ...mesa_codec import MesaQuantizer
-from . import policy
+from . import custom_conv, custom_quant, packbit, policy
 from .layers import GELU, BatchNorm2d, Conv2d, LayerNorm, Linear, MatMul, ReLU, Softmax
+
+cc = custom_conv
+version = 1.0
 
 __all__ = [
     "GELU",
@@ -23,5 +27,10 @@ __all__ = [
     "MesaQuantizer",
     "ReLU",
     "Softmax",
+    "cc",
+    "custom_conv",
+    "custom_quant",
+    "packbit",
     "policy",
+    "version",
 ]
