@@ -68,7 +68,7 @@ def test_gact_controller_round_trip() -> None:
     GPT.loss(model, x, y).backward()
     calls: list[int] = []
     controller.iterate(lambda: calls.append(1))
-    assert controller.iterations == 1 and calls == []
+    assert controller.iter == 1 and calls == []
     tally = controller.handle.tally  # type: ignore[union-attr]
     assert tally.stored_bytes * 10 < tally.raw_bytes
     controller.uninstall_hook()

@@ -317,9 +317,14 @@ class stash:
         *,
         policy: PolicyLike | None = None,
         min_bytes: int = DEFAULT_MIN_BYTES,
+        module: nn.Module | None = None,
         **options: Any,
     ) -> None:
+        """``module``: the block runs inside that module's forward (a layer that compresses
+        its own saves): its Parameters and buffers are left as they are, and its saves are
+        counted and named as its."""
         self.plan = _as_plan(strategy, policy, options)
+        self.module = module
         if self.plan.has_rewriters:
             names = [b.name for b in self.plan.built.values() if b.rewriters]
             raise ApplyError(
@@ -336,6 +341,11 @@ class stash:
     def tally(self) -> Tally:
         return self.engine.tally
 
+    @property
+    def active(self) -> bool:
+        """Whether the block is open (a block is not re-entered while it is)."""
+        return self._exit is not None
+
     def __enter__(self) -> stash:
         if self._exit is not None:
             raise ApplyError("this stash block is already active; create a new one")
@@ -348,6 +358,8 @@ class stash:
             nn.modules.module.register_module_forward_pre_hook(self._enter),
             nn.modules.module.register_module_forward_hook(self._leave, always_call=True),
         ]
+        if self.module is not None:  # already in its forward: its pre-hooks have run
+            self._enter(self.module, ())
         return self
 
     def _in_scope(self) -> bool:
@@ -374,6 +386,8 @@ class stash:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self.module is not None and self._exit is not None:
+            self._leave(self.module, (), None)
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
