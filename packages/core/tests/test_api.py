@@ -99,6 +99,37 @@ def test_stash_sees_module_types(toy_strategies: list[str]) -> None:
     assert not nn.modules.module._global_forward_hooks  # hooks gone after the block
 
 
+class SelfStashing(nn.BatchNorm1d):
+    """A layer that runs its own forward in a stash block bound to it."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.block = ts.stash("test.clone", module=self, min_bytes=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert not self.block.active
+        with self.block:
+            assert self.block.active
+            return super().forward(x)
+
+
+def test_stash_bound_to_a_module_names_its_saves_and_skips_its_state(
+    toy_strategies: list[str],
+) -> None:
+    """``stash(..., module=m)`` entered inside ``m``'s forward: the saves are ``m``'s row, and
+    its Parameters and buffers (a BatchNorm's running statistics) are kept as they are."""
+    layer = SelfStashing(64)
+    x = torch.randn(32, 64, requires_grad=True)
+    ref_layer = nn.BatchNorm1d(64)
+    ref_layer(x * 1.0).square().sum().backward()
+    layer(x * 1.0).square().sum().backward()
+    assert torch.equal(ref_layer.weight.grad, layer.weight.grad)
+    rows = layer.block.tally.rows
+    assert list(rows) == ["<SelfStashing>"] and rows["<SelfStashing>"].compressed >= 1
+    assert layer.block.tally.param_refs >= 1  # the weight: referenced, not copied
+    assert not layer.block.active
+
+
 def test_stash_applies_only_inside_the_block(toy_strategies: list[str]) -> None:
     x = torch.randn(512, requires_grad=True)
     with ts.stash("test.half") as s:
