@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 import torchstash as ts
@@ -25,7 +24,8 @@ from .qscheme import QScheme
 
 
 class _Quantized:
-    """The stash block a Q-layer runs its forward in."""
+    """The stash block a Q-layer runs its forward in (first among a Q-layer's bases, so its
+    ``forward`` wraps the torch layer's)."""
 
     _actnn_stash: ts.stash | None
 
@@ -35,13 +35,14 @@ class _Quantized:
         module: Any = self
         self._actnn_stash = ts.stash(name, module=module, **options) if name else None
 
-    def _actnn_forward(self, forward: Any, *args: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        forward = super().forward  # type: ignore[misc]
         block = self._actnn_stash
         module: Any = self
         if block is None or not (config.training and module.training) or block.active:
-            return forward(*args)
+            return forward(*args, **kwargs)
         with block:
-            return forward(*args)
+            return forward(*args, **kwargs)
 
 
 def _conv_scheme(layer: nn.Module, group: int, kernel: Any, groups: int) -> QScheme | None:
@@ -74,10 +75,7 @@ def _conv(base: type[nn.Module], name: str) -> type[nn.Module]:
         )  # fmt: skip
         self._actnn_init(_conv_scheme(self, group, self.kernel_size, groups))
 
-    def forward(self: Any, input: torch.Tensor) -> Any:
-        return self._actnn_forward(base.forward.__get__(self), input)
-
-    return type(name, (base, _Quantized), {"__init__": __init__, "forward": forward})
+    return type(name, (_Quantized, base), {"__init__": __init__})
 
 
 def _conv_transpose(base: type[nn.Module], name: str) -> type[nn.Module]:
@@ -102,10 +100,7 @@ def _conv_transpose(base: type[nn.Module], name: str) -> type[nn.Module]:
         )  # fmt: skip
         self._actnn_init(_conv_scheme(self, group, self.kernel_size, groups))
 
-    def forward(self: Any, input: torch.Tensor, output_size: Any = None) -> Any:
-        return self._actnn_forward(base.forward.__get__(self), input, output_size)
-
-    return type(name, (base, _Quantized), {"__init__": __init__, "forward": forward})
+    return type(name, (_Quantized, base), {"__init__": __init__})
 
 
 def _batchnorm(base: type[nn.Module], name: str) -> type[nn.Module]:
@@ -122,10 +117,7 @@ def _batchnorm(base: type[nn.Module], name: str) -> type[nn.Module]:
         base.__init__(self, num_features, eps, momentum, affine, track_running_stats, **kw)
         self._actnn_init(QBNScheme(group=group) if config.adaptive_bn_scheme else None)
 
-    def forward(self: Any, input: torch.Tensor) -> Any:
-        return self._actnn_forward(base.forward.__get__(self), input)
-
-    return type(name, (base, _Quantized), {"__init__": __init__, "forward": forward})
+    return type(name, (_Quantized, base), {"__init__": __init__})
 
 
 QConv1d = _conv(nn.Conv1d, "QConv1d")
@@ -139,7 +131,7 @@ QBatchNorm2d = _batchnorm(nn.BatchNorm2d, "QBatchNorm2d")
 QBatchNorm3d = _batchnorm(nn.BatchNorm3d, "QBatchNorm3d")
 
 
-class QLinear(nn.Linear, _Quantized):
+class QLinear(_Quantized, nn.Linear):
     num_layers = 0
 
     def __init__(
@@ -153,11 +145,8 @@ class QLinear(nn.Linear, _Quantized):
         super().__init__(input_features, output_features, bias, **kw)
         self._actnn_init(QScheme(self, group=group) if config.adaptive_conv_scheme else None)
 
-    def forward(self, input: torch.Tensor) -> Any:
-        return self._actnn_forward(super().forward, input)
 
-
-class QSyncBatchNorm(nn.SyncBatchNorm, _Quantized):
+class QSyncBatchNorm(_Quantized, nn.SyncBatchNorm):
     def __init__(
         self,
         num_features: int,
@@ -174,31 +163,22 @@ class QSyncBatchNorm(nn.SyncBatchNorm, _Quantized):
         )
         self._actnn_init(QBNScheme(group=group) if config.adaptive_bn_scheme else None)
 
-    def forward(self, input: torch.Tensor) -> Any:
-        return self._actnn_forward(super().forward, input)
 
-
-class QReLU(nn.ReLU, _Quantized):
+class QReLU(_Quantized, nn.ReLU):
     """ActNN's took ``inplace`` and ignored it: the input is never overwritten."""
 
     def __init__(self, inplace: bool = False) -> None:
         super().__init__(inplace=False)
         self._actnn_init()
 
-    def forward(self, input: torch.Tensor) -> Any:
-        return self._actnn_forward(super().forward, input)
 
-
-class QDropout(nn.Dropout, _Quantized):
+class QDropout(_Quantized, nn.Dropout):
     def __init__(self, p: float = 0.5) -> None:
         super().__init__(p)
         self._actnn_init()
 
-    def forward(self, input: torch.Tensor) -> Any:
-        return self._actnn_forward(super().forward, input)
 
-
-class QMaxPool2d(nn.MaxPool2d, _Quantized):
+class QMaxPool2d(_Quantized, nn.MaxPool2d):
     def __init__(
         self,
         kernel_size: Any,
@@ -211,11 +191,8 @@ class QMaxPool2d(nn.MaxPool2d, _Quantized):
         super().__init__(kernel_size, stride, padding, dilation, return_indices, ceil_mode)
         self._actnn_init()
 
-    def forward(self, input: torch.Tensor) -> Any:
-        return self._actnn_forward(super().forward, input)
 
-
-class QAvgPool2d(nn.AvgPool2d, _Quantized):
+class QAvgPool2d(_Quantized, nn.AvgPool2d):
     """Averages (ActNN's computed a max pool under this name, with a warning)."""
 
     def __init__(
@@ -231,9 +208,6 @@ class QAvgPool2d(nn.AvgPool2d, _Quantized):
             kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
         )
         self._actnn_init()
-
-    def forward(self, input: torch.Tensor) -> Any:
-        return self._actnn_forward(super().forward, input)
 
 
 __all__ = [
