@@ -278,6 +278,7 @@ def test_custom_quant_serves_a_users_own_layer(tmp_path: Path) -> None:
     assert handle is None  # it quantizes itself: nothing for the engine to do
     assert layer.enable and layer.index == 0 and layer.ema_decay == 0.5
     assert "update fc_enable to True for index 0" in said
+    assert not any("unquantized" in line for line in said)
     got = grads(layer, x)
     assert min(cosines(stock, got).values()) > 0.9999
     rows = pack_group(x, 4)

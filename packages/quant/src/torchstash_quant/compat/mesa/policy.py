@@ -72,7 +72,7 @@ def deploy_on_init(
         )
         return None
     text = path.read_text()
-    _deploy_own_layers(model, path, say if override_verbose else None)
+    own = _deploy_own_layers(model, path, say if override_verbose else None)
     file_policy = Policy.from_mesa(text, path.name)
     grouping: dict[str, int] = dict(getattr(model, _ATTR, {}))
     rules: list[Rule] = []
@@ -106,10 +106,11 @@ def deploy_on_init(
                 Rule(rule.strategy, options, op=rule.op, op_index=rule.op_index, source=rule.source)
             )
     if not any(r.strategy != "none" for r in rules):
-        say(
-            f"mesa: {path} enables no layer of this {type(model).__name__}: it runs "
-            "unquantized (as in Mesa)"
-        )
+        if not own:
+            say(
+                f"mesa: {path} enables no layer of this {type(model).__name__}: it runs "
+                "unquantized (as in Mesa)"
+            )
         return None
     return ts.apply(model, policy=Policy(rules, f"mesa:{path.name}"))
 
@@ -123,12 +124,12 @@ def _op_enabled(policy: Policy, op: str, index: int) -> bool:
     return enabled
 
 
-def _deploy_own_layers(model: nn.Module, path: Path, verbose: Callable[[str], Any] | None) -> None:
+def _deploy_own_layers(model: nn.Module, path: Path, verbose: Callable[[str], Any] | None) -> int:
     """Mesa's deployment on layers built on ``custom_quant.Quant``: per tag, an index in
-    module order, then each block of the tag's section."""
+    module order, then each block of the tag's section. Returns how many are enabled."""
     own = [m for m in model.modules() if isinstance(m, Quant)]
     if not own:
-        return
+        return 0
     for module in own:
         if verbose is not None:
             module.verbose = verbose
@@ -139,6 +140,7 @@ def _deploy_own_layers(model: nn.Module, path: Path, verbose: Callable[[str], An
         for block in read_policy(path, tag, verbose=lambda text: None)[1:]:
             for module in tagged:
                 module.update_quantization_parameter(**block)
+    return sum(m.enable for m in own)
 
 
 def read_policy(
