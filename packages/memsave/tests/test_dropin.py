@@ -230,3 +230,14 @@ def test_functional_names_take_upstreams_arguments_and_give_stocks_gradients() -
     _same(rms_normMemSave, lambda x, w: F.rms_norm(x, (8,), w, 1e-5), x4, w8)
     with pytest.raises(ValueError, match="conv1dMemSave: weight must be 3-D"):
         conv1dMemSave(x4, w4, None)
+
+
+def test_a_model_under_torchstash_is_refused_with_what_to_do() -> None:
+    """A copy would carry the applied hooks (the copy silently quantized by the original's
+    engine): a clear error instead."""
+    net = model()
+    ts.apply(net[0], "none")
+    with pytest.raises(ts.errors.ApplyError, match="applied to '0'.*torchstash.remove"):
+        memsave_torch.nn.convert_to_memory_saving(net)
+    ts.remove(net[0])
+    assert memsave_torch.nn.convert_to_memory_saving(net) is not net

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from torchstash.errors import NothingToRewriteWarning
+from torchstash.errors import ApplyError, NothingToRewriteWarning
 
 from .._options import check_flag
 
@@ -54,8 +54,16 @@ def convert_to_memory_saving(
     ``conv3d`` the convs and transposed convs of that dimension). ``linear`` is accepted and
     changes nothing: stock PyTorch already keeps only what a linear layer's gradients need.
     ``verbose`` prints each replaced layer as memsave_torch did (``replaced <name>``)."""
-    from torchstash import apply
+    from torchstash import apply, handle_of
 
+    applied = next((name for name, m in model.named_modules() if handle_of(m) is not None), None)
+    if applied is not None:
+        raise ApplyError(
+            f"convert_to_memory_saving: torchstash is applied to "
+            f"{'the model' if not applied else repr(applied)}, and a copy would carry its hooks; "
+            "call torchstash.remove() on it first, or apply 'memsave' (or 'memsave>quant.int8') "
+            "with torchstash instead"
+        )
     flags = {
         "linear": linear,
         "conv2d": conv2d,
