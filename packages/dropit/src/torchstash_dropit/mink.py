@@ -211,7 +211,7 @@ class MinK(BaseCompressor):
             for key in ("mask", "offsets", "counts"):
                 index = packed.tensors.get(key)
                 if isinstance(index, torch.Tensor):
-                    packed.tensors[key] = index.to("cpu", non_blocking=index.is_cuda)
+                    packed.tensors[key] = index.cpu()  # blocking: pageable host memory
         if self.fill_features(x, site):
             feature = feature_dim(x, site)
             present = restore(unpack_mask(mask, x.numel()), x.shape, inverse)

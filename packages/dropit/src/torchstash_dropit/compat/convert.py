@@ -14,6 +14,7 @@ defaults (see the README).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from torch import nn
@@ -31,14 +32,14 @@ UPSTREAM = {"scope": "tensor", "min_numel": 1, "keep": "floor", "dense": "drop"}
 
 
 def supported_types() -> tuple[type[nn.Module], ...]:
-    """The module types DropIT converts: exactly these, not their subclasses."""
+    """The module types DropIT converts: exactly these, not their subclasses. GPT-2's
+    ``Conv1D`` only where transformers is already loaded (a model holding one has loaded it;
+    importing transformers for a model that has none would cost seconds)."""
     types: list[type[nn.Module]] = [nn.Linear, nn.Conv2d]
-    try:
-        from transformers.pytorch_utils import Conv1D
-
-        types.append(Conv1D)
-    except Exception:  # transformers missing or not loadable: no Conv1D to convert
-        pass
+    utils = sys.modules.get("transformers.pytorch_utils")
+    conv1d = getattr(utils, "Conv1D", None)
+    if isinstance(conv1d, type):
+        types.append(conv1d)
     return tuple(types)
 
 
