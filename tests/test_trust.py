@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import torchstash as ts
+from torchstash.engine import FUSED_EXACT_REASON
 
 STRATEGIES = ts.REGISTRY.names()
 WIDTH = 256  # every saved tensor well above min_bytes and dropit's min_numel
@@ -310,7 +311,7 @@ class _Block(nn.Module):
             a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             att = (q @ k.transpose(-2, -1)) * (d // self.heads) ** -0.5
-            mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
             a = att.masked_fill(mask, float("-inf")).softmax(-1) @ v
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
@@ -324,17 +325,22 @@ def _attention_gpt(fused: bool) -> nn.Module:
     )  # fmt: skip
 
 
-def _cosines(fused: bool, strategy: str) -> tuple[float, float, float]:
-    """(overall gradient cosine, worst per-tensor cosine, gradient norm ratio) against stock."""
+def _compare(
+    fused: bool, strategy: str, device: str = "cpu"
+) -> tuple[tuple[float, float, float], ts.Handle]:
+    """(overall gradient cosine, worst per-tensor cosine, gradient norm ratio) against stock,
+    and the handle; on CUDA under bfloat16 autocast (FlashAttention takes no float32)."""
     torch.manual_seed(1)
     idx, target = torch.randint(0, 64, (8, 64)), torch.randint(0, 64, (8, 64))
-    stock, model = _attention_gpt(fused), _attention_gpt(fused)
+    idx, target = idx.to(device), target.to(device)
+    stock, model = _attention_gpt(fused).to(device), _attention_gpt(fused).to(device)
 
     def loss(m: nn.Module) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(m(idx).flatten(0, 1), target.flatten())
+        with torch.autocast("cuda", torch.bfloat16, enabled=device == "cuda"):
+            return torch.nn.functional.cross_entropy(m(idx).flatten(0, 1), target.flatten())
 
     loss(stock).backward()
-    ts.apply(model, strategy)
+    handle = ts.apply(model, strategy)
     loss(model).backward()
     want, got = _grads(stock), _grads(model)
     cos = torch.nn.functional.cosine_similarity
@@ -345,7 +351,11 @@ def _cosines(fused: bool, strategy: str) -> tuple[float, float, float]:
     norm = float(
         torch.cat([g.flatten() for g in got]).norm() / torch.cat([g.flatten() for g in want]).norm()
     )
-    return flat, worst, norm
+    return (flat, worst, norm), handle
+
+
+def _cosines(fused: bool, strategy: str) -> tuple[float, float, float]:
+    return _compare(fused, strategy)[0]
 
 
 @pytest.mark.parametrize("strategy", ["quant.int1", "quant.int2", "quant.int4", "quant.int8"])
@@ -384,7 +394,7 @@ def test_fused_attention_output_is_recomputed_from_q_k_v(strategy: str) -> None:
     assert not any("cannot recompute" in r for r in reasons), reasons
 
 
-@pytest.mark.parametrize("why", ["dropout", "device", "kernel"])
+@pytest.mark.parametrize("why", ["dropout", "device", "kernel", "mask"])
 def test_fused_attention_not_replayed_keeps_all_its_saves_exact(
     why: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -399,6 +409,10 @@ def test_fused_attention_not_replayed_keeps_all_its_saves_exact(
     if why == "kernel":
         kernel = derive.FUSED_ATTENTION["ScaledDotProductFlashAttentionForCpuBackward0"]
         monkeypatch.setattr(derive, "FUSED_ATTENTION", {"OtherKernelBackward0": kernel})
+    if why == "mask":  # as the CUDA kernels: a masked call is not replayed
+        name = "ScaledDotProductFlashAttentionForCpuBackward0"
+        kernel = derive.FUSED_ATTENTION[name]._replace(takes_mask=False)
+        monkeypatch.setattr(derive, "FUSED_ATTENTION", {name: kernel})
     sdpa = torch.nn.functional.scaled_dot_product_attention
     calls = []
 
@@ -406,6 +420,10 @@ def test_fused_attention_not_replayed_keeps_all_its_saves_exact(
         calls.append(1)
         if why == "dropout":
             kwargs["dropout_p"] = 0.1
+        if why == "mask":
+            t = args[0].shape[-2]  # type: ignore[attr-defined]
+            kwargs["attn_mask"] = torch.ones(t, t, dtype=torch.bool).tril()
+            kwargs.pop("is_causal")
         return sdpa(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", dropping)
@@ -419,6 +437,90 @@ def test_fused_attention_not_replayed_keeps_all_its_saves_exact(
         assert row.compressed == row.ops["gelu"], row
         why_exact = sum(n for r, n in row.declined.items() if "fused attention" in r)
         assert why_exact == row.ops["scaled_dot_product_attention"], row.declined
+
+
+#: torch's SDPA backends on CUDA, each forced in turn (one that cannot run here is skipped)
+CUDA_BACKENDS = ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"]
+
+
+def _forced(backend: str):  # type: ignore[no-untyped-def]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, backend))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+def test_cuda_replay_kernels_give_the_forward_bit_for_bit(backend: str) -> None:
+    """Each CUDA kernel in FUSED_ATTENTION, called as the engine replays it, returns the very
+    output and log-sum-exp the forward saved (its arguments in the right places)."""
+    from torchstash import derive
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 32, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    with _forced(backend):
+        try:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        except RuntimeError as e:
+            pytest.skip(f"{backend} cannot run here: {e}")
+    node = out.grad_fn
+    assert node is not None and node.name() in derive.FUSED_ATTENTION, node
+    kernel = derive.FUSED_ATTENTION[node.name()]
+    assert kernel.device == "cuda"
+    replayed = kernel.replay(q.detach(), k.detach(), v.detach(), 0.0, True, attn_mask=None)
+    assert torch.equal(replayed[0], out.detach())
+    lse = [getattr(node, a) for a in dir(node) if a.startswith("_saved_") and "sumexp" in a]
+    assert len(lse) == 1 and torch.equal(replayed[1], lse[0]), [t.shape for t in lse]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("strategy", ["quant.int2", "quant.int8"])
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+def test_fused_attention_on_cuda_is_replayed_and_no_worse_than_manual(
+    backend: str, strategy: str
+) -> None:
+    """On CUDA, SDPA's output and log-sum-exp are recomputed in backward from the coded q, k,
+    v (FlashAttention, memory-efficient attention: two derived saves per call), and the
+    gradients are as close to stock's as written-out attention's under the same code."""
+    with _forced(backend):
+        try:
+            fused, handle = _compare(True, strategy, "cuda")
+        except RuntimeError as e:
+            if "No available kernel" not in str(e):
+                raise
+            pytest.skip(f"{backend} cannot run here: {e}")
+    manual, _ = _compare(False, strategy, "cuda")
+    rows = [r for r in handle.tally.rows.values() if r.ops.get("scaled_dot_product_attention")]
+    assert len(rows) == 4
+    if backend != "CUDNN_ATTENTION":  # cuDNN's log-sum-exp may carry a trailing 1: kept exact
+        assert all(r.derived >= 2 for r in rows), rows
+    assert fused[0] >= manual[0] - 0.01, (fused, manual)
+    assert fused[1] >= min(manual[1] - 0.05, 0.8), (fused, manual)
+    assert fused[2] < 1.5, fused
+
+
+@pytest.mark.cuda
+def test_fused_attention_with_a_mask_on_cuda_keeps_its_saves_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch hands the CUDA kernels a converted, padded copy of the mask, which the engine
+    does not rebuild: such a call's q, k, v are not coded, and the tally says why."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        t = q.shape[-2]
+        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        return sdpa(q, k, v, attn_mask=mask)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", masked)
+    (cosine, _, _), handle = _compare(True, "quant.int2", "cuda")
+    rows = [r for r in handle.tally.rows.values() if r.ops.get("scaled_dot_product_attention")]
+    assert len(rows) == 4 and all(r.derived == 0 for r in rows)
+    for row in rows:  # q, k and v at least (the GELU's input alone is coded)
+        assert row.declined.get(FUSED_EXACT_REASON, 0) >= 3, row.declined
+        assert row.compressed <= row.ops.get("gelu", 0), row
+    assert cosine > 0.9
 
 
 # ----------------------------------------------------------------- layout of restored saves

@@ -52,11 +52,12 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(nn.functional.cosine_similarity(a.flatten(), b.flatten(), 0))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("level", ["L2", "L3"])
-def test_q_layers_built_directly_quantize_on_their_own(level: str) -> None:
+def test_q_layers_built_directly_quantize_on_their_own(level: str, device: str) -> None:
     actnn.set_optimization_level(level)
-    model = cnn()
-    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    model = cnn().to(device)
+    x, y = torch.randn(8, 3, 16, 16).to(device), torch.randint(0, 10, (8,)).to(device)
     torch.manual_seed(1)
     nn.functional.cross_entropy(model(x), y).backward()
     got = [p.grad.clone() for p in model.parameters()]

@@ -130,10 +130,11 @@ def write(tmp_path: Path, text: str, name: str = "policy.txt") -> Path:
     return path
 
 
-def test_deit_mesa_model_and_policy_run_unchanged(tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_deit_mesa_model_and_policy_run_unchanged(tmp_path: Path, device: str) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(DeitBlock(), DeitBlock())
-    x = torch.randn(4, 16, 64)
+    model = nn.Sequential(DeitBlock(), DeitBlock()).to(device)
+    x = torch.randn(4, 16, 64).to(device)
     stock = grads(model, x)
     lines: list[str] = []
     handle = ms.policy.deploy_on_init(

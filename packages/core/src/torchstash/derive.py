@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -422,6 +422,17 @@ def _fused_output(r: Recipe, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     return replay.output(int(r.arguments["which"]), q, k, v)
 
 
+class AttentionKernel(NamedTuple):
+    """A fused attention kernel the engine replays: the device it runs on, ``replay(q, k, v,
+    dropout_p, is_causal, attn_mask=, scale=) -> (output, logsumexp, ...)``, and whether the
+    replay takes the call's ``attn_mask`` as the user gave it (the CUDA kernels get a mask
+    only after torch converted and padded it: calls with one keep their saves exact)."""
+
+    device: str
+    replay: Callable[..., tuple[torch.Tensor, ...]]
+    takes_mask: bool = True
+
+
 def _cpu_flash(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
     out: tuple[torch.Tensor, ...] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         *args, **kwargs
@@ -429,33 +440,92 @@ def _cpu_flash(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
     return out
 
 
+def _cuda_flash(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, ...]:
+    assert attn_mask is None  # FlashAttention takes none (AttentionKernel.takes_mask)
+    out: tuple[torch.Tensor, ...] = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, dropout_p, is_causal, False, scale=scale
+    )
+    return out
+
+
+def _cuda_efficient(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, ...]:
+    assert attn_mask is None  # see AttentionKernel.takes_mask
+    out: tuple[torch.Tensor, ...] = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, dropout_p, is_causal, scale=scale
+    )
+    return out
+
+
+def _cuda_cudnn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, ...]:
+    assert attn_mask is None  # see AttentionKernel.takes_mask
+    out: tuple[torch.Tensor, ...] = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, dropout_p, is_causal, False, scale=scale
+    )
+    return out
+
+
 #: Fused attention kernels whose output and log-sum-exp the engine recomputes, by the name
-#: of the backward node the call made (read from the output's graph once it returned): the
-#: device they run on and ``kernel(q, k, v, dropout_p, is_causal, attn_mask=, scale=) ->
-#: (output, logsumexp, ...)``. Only kernels checked against stock here: others keep their
-#: saves exact.
-FUSED_ATTENTION: dict[str, tuple[str, Callable[..., tuple[torch.Tensor, ...]]]] = {
-    "ScaledDotProductFlashAttentionForCpuBackward0": ("cpu", _cpu_flash),
+#: of the backward node the call made (read from the output's graph once it returned). Only
+#: kernels checked against stock: others keep their saves exact, and so does a kernel whose
+#: log-sum-exp is not shaped like the output's rows (memory-efficient attention pads it to a
+#: multiple of 32 rows; the engine then finds no second output to recompute).
+FUSED_ATTENTION: dict[str, AttentionKernel] = {
+    "ScaledDotProductFlashAttentionForCpuBackward0": AttentionKernel("cpu", _cpu_flash),
+    "ScaledDotProductFlashAttentionBackward0": AttentionKernel("cuda", _cuda_flash, False),
+    "ScaledDotProductEfficientAttentionBackward0": AttentionKernel("cuda", _cuda_efficient, False),
+    "ScaledDotProductCudnnAttentionBackward0": AttentionKernel("cuda", _cuda_cudnn, False),
 }
 
 
 def may_replay_attention(device: torch.device, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     """Whether a fused attention call on ``device`` with these arguments can have its output
-    recomputed: a kernel for the device in :data:`FUSED_ATTENTION`, and no dropout. Checked
-    before its q, k, v are coded (the kernel itself is known only once it returned)."""
+    recomputed: a kernel for the device in :data:`FUSED_ATTENTION` that takes the call's
+    mask, and no dropout. Checked before its q, k, v are coded (the kernel itself is known
+    only once it returned)."""
     if _argument(args, kwargs, "dropout_p", 4):
         return False
-    return any(kind == device.type for kind, _ in FUSED_ATTENTION.values())
+    masked = _argument(args, kwargs, "attn_mask", 3) is not None
+    return any(
+        kernel.device == device.type and (kernel.takes_mask or not masked)
+        for kernel in FUSED_ATTENTION.values()
+    )
 
 
 def fused_attention(result: torch.Tensor, r: Recipe) -> FusedAttention | None:
     """A replay of the fused attention call that returned ``result``, or None when its kernel
-    is not in :data:`FUSED_ATTENTION` or it drops (dropout's random mask is not replayed)."""
+    is not in :data:`FUSED_ATTENTION` (or cannot take its mask) or it drops (dropout's random
+    mask is not replayed)."""
     node = result.grad_fn
     found = FUSED_ATTENTION.get(node.name()) if node is not None else None
-    if found is None or found[0] != result.device.type or r.arguments.get("dropout_p"):
+    if found is None or found.device != result.device.type or r.arguments.get("dropout_p"):
         return None
-    return FusedAttention(found[1], r.arguments)
+    if r.arguments.get("attn_mask") is not None and not found.takes_mask:
+        return None
+    return FusedAttention(found.replay, r.arguments)
 
 
 #: a fused attention's output or log-sum-exp replayed (see :class:`FusedAttention`)

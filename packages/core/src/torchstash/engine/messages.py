@@ -31,7 +31,8 @@ FUSED_OUTPUT_REASON = (
 #: Why a fused attention's q, k, v are kept exact after all.
 FUSED_EXACT_REASON = (
     "a fused attention whose output the engine cannot recompute (its kernel is not one it "
-    "replays, or it drops): its q, k, v are kept exact like its output"
+    "replays, it drops, or it has an attn_mask that a CUDA kernel takes only as torch "
+    "converted it): its q, k, v are kept exact like its output"
 )
 
 #: Errors a compressor raises that keep their type (a note is added): users catch these by type
