@@ -522,3 +522,25 @@ def test_attention_map_is_recomputed_once_per_backward(monkeypatch: pytest.Monke
         assert replayed == []
         loss.backward()
     assert replayed.count("softmax") == 1, replayed
+
+
+def test_a_replay_runs_under_the_autocast_of_its_forward() -> None:
+    """Backward runs without autocast (or inside a block the forward was not in): an op
+    replayed there computes as it did in the forward. On CUDA, autocast runs a softmax in
+    float32 on a bf16 map; replayed without it, the map came back bf16 and the softmax's
+    backward failed ("expected scalar type Float but found BFloat16")."""
+    from torchstash.derive import Recipe, replay_step
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with torch.autocast("cpu", torch.bfloat16):
+        want = torch.matmul(x, w)
+        step = replay_step(torch.matmul, (x, w), {}, 0)
+        rec = Recipe("matmul", {}, arity=2)
+    assert want.dtype == torch.bfloat16 and step is not None
+    assert torch.equal(step(x), want)  # called outside autocast, as backward is
+    assert torch.equal(rec(x, w), want)
+    plain = replay_step(torch.matmul, (x, w), {}, 0)
+    assert plain is not None
+    with torch.autocast("cpu", torch.bfloat16):  # a backward inside the autocast block
+        assert plain(x).dtype == torch.float32
+        assert Recipe("matmul", {}, arity=2)(x, w).dtype == torch.bfloat16

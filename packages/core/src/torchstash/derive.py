@@ -26,6 +26,7 @@ op saved (:data:`DERIVE_OPS`); anything else saved is stored as usual.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -109,6 +110,37 @@ def _argument(args: Sequence[Any], kwargs: dict[str, Any], name: str, pos: int) 
     return args[pos] if len(args) > pos else None
 
 
+#: Device types whose autocast state a recomputation reproduces.
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+#: The autocast state an op ran under: (device type, dtype) for each device where it was on.
+AutocastState = tuple[tuple[str, torch.dtype], ...]
+
+
+def autocast_state() -> AutocastState:
+    """Where autocast is on now, and at which dtype (read in the forward, with a recipe)."""
+    return tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in AUTOCAST_DEVICES
+        if torch.is_autocast_enabled(device)
+    )
+
+
+def under_autocast(state: AutocastState, device: str) -> contextlib.AbstractContextManager[Any]:
+    """Autocast for ``device`` as it was in the forward, for an op replayed in backward (which
+    runs without it): CUDA's autocast runs a softmax or a LayerNorm in float32 on a bf16
+    input, and a replay without it returned bf16 where the backward expects float32."""
+    dtype = dict(state).get(device)
+    if device not in AUTOCAST_DEVICES or (
+        torch.is_autocast_enabled(device) == (dtype is not None)
+        and (dtype is None or torch.get_autocast_dtype(device) == dtype)
+    ):
+        return contextlib.nullcontext()
+    if dtype is None:
+        return torch.autocast(device, enabled=False)
+    return torch.autocast(device, dtype=dtype, cache_enabled=False)
+
+
 @dataclass
 class Recipe:
     """How to recompute one call's output: the op, its non-input arguments, the statistics it
@@ -129,9 +161,12 @@ class Recipe:
     #: (B, H, N, N) and (B, H, N, D) saves (B*H, N, N) and (B*H, N, D))
     shape: torch.Size | None = None
     steps: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = ()
+    #: autocast as it was when the op ran (its replay runs under the same)
+    autocast: AutocastState = field(default_factory=autocast_state)
 
     def __call__(self, *operands: torch.Tensor) -> torch.Tensor:
-        out = _RECOMPUTE[self.op](self, *operands)
+        with under_autocast(self.autocast, operands[0].device.type):
+            out = _RECOMPUTE[self.op](self, *operands)
         if self.shape is not None:
             out = out.reshape(self.shape)
         if self.dtype is not None:
@@ -156,7 +191,7 @@ class Replay:
     attention map. In-place functions are replayed out of place: the recomputed tensor may be
     another entry's restored value."""
 
-    __slots__ = ("args", "constants", "func", "held", "index", "kwargs")
+    __slots__ = ("args", "autocast", "constants", "func", "held", "index", "kwargs")
 
     def __init__(
         self,
@@ -176,6 +211,7 @@ class Replay:
         self.args[index] = None  # the recomputed tensor goes here: the original is not held
         self.kwargs = {k: v for k, v in kwargs.items() if k != "inplace"}
         self.held = [(self.args[i], self.args[i]._version) for i, _ in others]
+        self.autocast = autocast_state()
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         for held, version in self.held:
@@ -190,7 +226,8 @@ class Replay:
                 )
         args = list(self.args)
         args[self.index] = t
-        return self.func(*args, **self.kwargs)
+        with under_autocast(self.autocast, t.device.type):
+            return self.func(*args, **self.kwargs)
 
 
 def _out_of_place(func: Callable[..., Any]) -> Callable[..., Any]:
