@@ -65,3 +65,40 @@ def test_fp16_grad_scaler_skips_an_overflow_step(strategy: str, model_name: str)
         step(bad)  # skipped: no parameter changes, the scale backs off
         assert scaler.get_scale() < 1.0, "the overflow did not reach the scaler"
         assert all(torch.equal(a, p) for a, p in zip(moved, model.parameters()))
+
+
+def _bf16_grads(model_name: str, strategy: str | None) -> list[torch.Tensor]:
+    entry = MODELS[model_name]
+    torch.manual_seed(0)
+    model = entry.build()
+    handle = ts.apply(model, strategy) if strategy else None
+    x, y = entry.batch(4, torch.device("cpu"))  # type: ignore[attr-defined]
+    torch.manual_seed(1)
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = entry.loss(model, x, y)  # type: ignore[attr-defined]
+    loss.backward()
+    if handle is not None:
+        ts.remove(model)
+    return [p.grad.flatten() for p in model.parameters() if p.grad is not None]
+
+
+def _cosine(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return float(torch.nn.functional.cosine_similarity(torch.cat(a), torch.cat(b), 0))
+
+
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_bf16_autocast_with_cudas_policy_trains_as_well(strategy: str, model_name: str) -> None:
+    """Under CUDA's autocast policy (softmax, LayerNorm in float32 on bf16 inputs), emulated
+    on the CPU: a step trains, as close to stock's as under the CPU's policy. Outputs the
+    engine recomputes in backward are replayed under the forward's autocast; replayed
+    without it, the zoo's hand-written attention failed in backward under every quant
+    strategy ("expected scalar type Float but found BFloat16"), on CUDA and here."""
+    from torchstash.testing.autocast import cuda_autocast_policy_on_cpu
+
+    cpu_policy = _cosine(_bf16_grads(model_name, None), _bf16_grads(model_name, strategy))
+    with cuda_autocast_policy_on_cpu():
+        stock = _bf16_grads(model_name, None)
+        got = _bf16_grads(model_name, strategy)
+    assert all(g.isfinite().all() for g in got)
+    assert _cosine(stock, got) >= cpu_policy - 0.02, (_cosine(stock, got), cpu_policy)

@@ -544,3 +544,33 @@ def test_a_replay_runs_under_the_autocast_of_its_forward() -> None:
     with torch.autocast("cpu", torch.bfloat16):  # a backward inside the autocast block
         assert plain(x).dtype == torch.float32
         assert Recipe("matmul", {}, arity=2)(x, w).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_attention_map_recomputed_bit_exact_under_cudas_autocast(style: str) -> None:
+    """Under bf16 autocast with CUDA's policy (softmax and LayerNorm in float32, emulated on
+    the CPU), the map and the LayerNorm's output are recomputed as the forward computed them:
+    gradients stock's to the bit. Replayed without the forward's autocast, the softmax came
+    back bf16 and its backward failed."""
+    from torchstash.testing.autocast import cuda_autocast_policy_on_cpu
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(32), WrittenAttention(style))
+    x = torch.randn(2, 8, 32)
+
+    def grads() -> list[torch.Tensor]:
+        model.zero_grad()
+        torch.manual_seed(1)
+        with torch.autocast("cpu", torch.bfloat16):
+            out = model(x)
+        out.float().square().sum().backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    with cuda_autocast_policy_on_cpu():
+        ref = grads()
+        with ts.apply(model, "test.derive", min_bytes=0) as h:
+            got = grads()
+            derived = sum(r.derived for r in h.tally.rows.values())
+    assert derived >= 2  # the map and the LayerNorm's output (as qkv's bf16 input)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)

@@ -35,6 +35,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .optrack import AUTOCAST_DEVICES, AutocastState, autocast_state
+
 #: Fused attention: it saves its own output (for backward), which the projection after it
 #: saves again as a transposed copy; that copy is the saved output, a layout step later.
 SDPA = "scaled_dot_product_attention"
@@ -108,22 +110,6 @@ def _argument(args: Sequence[Any], kwargs: dict[str, Any], name: str, pos: int) 
     if name in kwargs:
         return kwargs[name]
     return args[pos] if len(args) > pos else None
-
-
-#: Device types whose autocast state a recomputation reproduces.
-AUTOCAST_DEVICES = ("cpu", "cuda")
-
-#: The autocast state an op ran under: (device type, dtype) for each device where it was on.
-AutocastState = tuple[tuple[str, torch.dtype], ...]
-
-
-def autocast_state() -> AutocastState:
-    """Where autocast is on now, and at which dtype (read in the forward, with a recipe)."""
-    return tuple(
-        (device, torch.get_autocast_dtype(device))
-        for device in AUTOCAST_DEVICES
-        if torch.is_autocast_enabled(device)
-    )
 
 
 def under_autocast(state: AutocastState, device: str) -> contextlib.AbstractContextManager[Any]:

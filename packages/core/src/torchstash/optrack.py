@@ -145,6 +145,33 @@ def is_known_op(name: str) -> bool:
 Watcher = Callable[[Callable[..., Any], Sequence[Any], dict[str, Any], Any], None]
 
 
+#: Device types whose autocast state the tracker notes (for ops replayed in backward).
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+#: The autocast state an op ran under: (device type, dtype) for each device where it was on.
+AutocastState = tuple[tuple[str, torch.dtype], ...]
+
+_any_autocast: Callable[[], bool] | None = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+def _autocast_now() -> AutocastState:
+    if _any_autocast is not None and not _any_autocast():
+        return ()
+    return tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in AUTOCAST_DEVICES
+        if torch.is_autocast_enabled(device)
+    )
+
+
+def autocast_state() -> AutocastState:
+    """Where autocast is on, and at which dtype, for the torch call running now (as the
+    tracker saw it when the call began: inside the op's kernel, where pack hooks run,
+    autocast reads as off, its dispatch having switched itself off for the op's body)."""
+    state = STATE
+    return state.autocast if state.op else _autocast_now()
+
+
 class OpState(threading.local):
     """The op running on this thread (empty outside any torch call)."""
 
@@ -155,6 +182,8 @@ class OpState(threading.local):
         self.func: Callable[..., Any] | None = None
         self.args: Sequence[Any] = ()
         self.kwargs: dict[str, Any] = {}
+        #: autocast as the running call found it (see :func:`autocast_state`)
+        self.autocast: AutocastState = ()
         self.depth = 0  # trackers active on this thread
         self.call_id = 0  # increments at every tracked call
         #: (call id, callback) pairs waiting for that call's result; see :func:`on_result`
@@ -180,9 +209,10 @@ class OpTracker(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         state = STATE
         kwargs = kwargs or {}
-        prev = (state.op, state.raw, state.func, state.args, state.kwargs)
+        prev = (state.op, state.raw, state.func, state.args, state.kwargs, state.autocast)
         state.op, state.raw = op_names(func)
         state.func, state.args, state.kwargs = func, args, kwargs
+        state.autocast = _autocast_now()
         state.call_id += 1
         call_id = state.call_id
         inner = opened(func) if func in OPENED_COMPOSITES else None
@@ -193,7 +223,7 @@ class OpTracker(TorchFunctionMode):
             else:
                 result = func(*args, **kwargs)
         finally:
-            state.op, state.raw, state.func, state.args, state.kwargs = prev
+            state.op, state.raw, state.func, state.args, state.kwargs, state.autocast = prev
         if state.waiting:
             _deliver(state, call_id, result)
         if state.watchers:
@@ -262,14 +292,14 @@ def as_op(
     registered as a policy default (:meth:`~torchstash.registry.Registry.register_op_default`).
     """
     state = STATE
-    prev = (state.op, state.raw, state.func, state.args, state.kwargs)
+    prev = (state.op, state.raw, state.func, state.args, state.kwargs, state.autocast)
     state.op, state.raw, state.func = op, func or op, None
-    state.args, state.kwargs = args, kwargs or {}
+    state.args, state.kwargs, state.autocast = args, kwargs or {}, _autocast_now()
     state.call_id += 1
     try:
         yield
     finally:
-        state.op, state.raw, state.func, state.args, state.kwargs = prev
+        state.op, state.raw, state.func, state.args, state.kwargs, state.autocast = prev
 
 
 def engine_active() -> bool:

@@ -113,7 +113,8 @@ class Engine(Scoping, Recomputation):
             entry = self._recomputed(t, key, compressor, site, row)
         if entry is None:
             entry = self._store(t, site, row, compressor, reason)
-            self._note_derive_save(t, entry, compressor, site)
+        # a recomputed operand is a source too (``attn @ v``'s bf16 copy of a float32 map)
+        self._note_derive_save(t, entry, compressor, site)
         self._count(t, entry, row)
         entry.variant = variant
         if not isinstance(entry.value, torch.Tensor):

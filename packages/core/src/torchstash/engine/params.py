@@ -16,6 +16,11 @@ _CAST_NODES = frozenset(
 )
 
 
+#: ... and the expand a batched ``matmul`` adds before its ``bmm`` (a view of the same size:
+#: the caller checks the sizes match), between an attention map and the bf16 copy of it that
+#: ``attn @ v`` saves under autocast when the softmax ran in float32 (CUDA's policy)
+_OPERAND_CAST_NODES = _CAST_NODES | {"ExpandBackward0"}
+
 #: autograd nodes of a copy and of layout changes, between a parameter and its saved copy
 _COPY_NODES = _CAST_NODES | {"TBackward0", "TransposeBackward0", "PermuteBackward0"}
 
@@ -66,7 +71,8 @@ def cast_of(t: torch.Tensor, x: torch.Tensor) -> bool:
     cast of a projection's input, reshaped to 2-d), read from ``t``'s graph: exact, no pass
     over the values."""
     target = x.grad_fn
-    return target is not None and any(n is target for n in copy_chain(t, _CAST_NODES))
+    chain = copy_chain(t, _OPERAND_CAST_NODES, depth=4)
+    return target is not None and any(n is target for n in chain)
 
 
 def is_parameter(t: torch.Tensor, skip: set[int], args: Sequence[Any]) -> bool:
