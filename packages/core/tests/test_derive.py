@@ -549,13 +549,13 @@ def test_a_replay_runs_under_the_autocast_of_its_forward() -> None:
 @pytest.mark.parametrize("style", STYLES)
 def test_attention_map_recomputed_bit_exact_under_cudas_autocast(style: str) -> None:
     """Under bf16 autocast with CUDA's policy (softmax and LayerNorm in float32, emulated on
-    the CPU), the map and the LayerNorm's output are recomputed as the forward computed them:
-    gradients stock's to the bit. Replayed without the forward's autocast, the softmax came
+    the CPU), the map, the GELU's and the LayerNorm's outputs are recomputed as the forward
+    computed them (the casts between included): gradients stock's to the bit. Replayed without the forward's autocast, the softmax came
     back bf16 and its backward failed."""
     from torchstash.testing.autocast import cuda_autocast_policy_on_cpu
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.LayerNorm(32), WrittenAttention(style))
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.LayerNorm(32), WrittenAttention(style))
     x = torch.randn(2, 8, 32)
 
     def grads() -> list[torch.Tensor]:
@@ -570,7 +570,9 @@ def test_attention_map_recomputed_bit_exact_under_cudas_autocast(style: str) -> 
         ref = grads()
         with ts.apply(model, "test.derive", min_bytes=0) as h:
             got = grads()
-            derived = sum(r.derived for r in h.tally.rows.values())
-    assert derived >= 2  # the map and the LayerNorm's output (as qkv's bf16 input)
+            rows = {name: row.derived for name, row in h.tally.rows.items()}
+    # the GELU's output (as the LayerNorm's float32 copy of it), the LayerNorm's output (as
+    # qkv's bf16 copy of it) and the map: each a cast of a recomputed output
+    assert rows["2"] == 1 and rows["3.qkv"] == 1 and rows["3"] >= 1, rows
     for a, b in zip(ref, got):
         assert torch.equal(a, b)

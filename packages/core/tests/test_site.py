@@ -3,6 +3,7 @@ engine keeps (never the call's arguments beyond the call)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -113,3 +114,36 @@ def test_the_kept_sites_do_not_hold_the_calls_arguments() -> None:
         assert x.grad is not None
     finally:
         ts.REGISTRY.unregister("testsite.copy")
+
+
+@pytest.mark.parametrize("policy", ["cpu-policy", "cuda-policy"])
+def test_autocasts_copy_of_an_argument_has_the_arguments_role(policy: str) -> None:
+    """Autocast casts an op's arguments inside the call: the copy a Linear, a conv or (under
+    CUDA's policy, emulated here) a LayerNorm saves is its ``input``, as it is without
+    autocast, so policies and codes for inputs reach it. It was ``output``: a LayerNorm's
+    float32 copy of its bf16 input was then kept exact as if a statistic. A dropout's mask,
+    shaped like its input, stays ``output``."""
+    from torchstash.testing.autocast import cuda_autocast_policy_on_cpu
+
+    recorder = _Recorder()
+    ts.register_strategy("testsite.roles", lambda: recorder, lossless=True, summary="records")
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 32),
+        torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 4),
+    )  # fmt: skip
+    cuda = policy == "cuda-policy"
+    emulated = cuda_autocast_policy_on_cpu() if cuda else contextlib.nullcontext()
+    try:
+        with emulated, ts.stash("testsite.roles", min_bytes=0):
+            with torch.autocast("cpu", torch.bfloat16):  # backward outside it
+                out = model(torch.randn(2, 3, 8, 8))
+            out.float().sum().backward()
+    finally:
+        ts.REGISTRY.unregister("testsite.roles")
+    roles: dict[str, set[str]] = {}
+    for site in recorder.sites:
+        roles.setdefault(site.op, set()).add(site.role)
+    assert roles["conv"] == {"input"}  # the images' copy: nothing needs its gradient
+    assert roles["linear"] == {"input"}
+    assert roles["layer_norm"] == {"input", "output"}  # its copy (or bf16 input); mean, rstd
+    assert roles["dropout"] == {"output"}

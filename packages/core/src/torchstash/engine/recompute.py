@@ -45,8 +45,10 @@ if TYPE_CHECKING:
 #: a recipe's operands: each entry (held weakly) and the shape its op saved it in
 Sources = tuple[tuple["weakref.ref[Entry]", torch.Size], ...]
 
-#: Ops autocast runs in a lower precision, whose saved first operand may be its cast.
-AUTOCAST_CASTING_OPS = frozenset({"linear", "matmul", "conv"})
+#: Ops whose saved first operand may be autocast's cast of it: those autocast runs in a
+#: lower precision, and the normalizations CUDA's autocast runs in float32 (a LayerNorm
+#: after a GELU saves a float32 copy of the GELU's bf16 output).
+AUTOCAST_CASTING_OPS = frozenset({"linear", "matmul", "conv", "layer_norm", "group_norm"})
 
 
 @dataclass
