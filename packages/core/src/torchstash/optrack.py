@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .casts import cast_of
 from .packed import storage_base
 
 # Raw function names that share one canonical op name.
@@ -386,51 +387,23 @@ def role_of(t: torch.Tensor) -> str:
     return "output"
 
 
-#: autograd nodes between an argument and autocast's cast of it as an op saves it (a dtype
-#: copy, then the views a ``linear`` or batched ``matmul`` takes of it)
-_CAST_CHAIN = frozenset(
-    {"ToCopyBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
-     "ExpandBackward0"}
-)  # fmt: skip
-
-
 def _cast_argument(t: torch.Tensor) -> int | None:
     """Which tensor argument of the running call ``t`` is autocast's cast of (its position
-    among the tensor arguments), or None. Autocast casts an op's arguments inside the call
-    (a bf16 copy of a Linear's float32 input; under CUDA's policy a float32 copy of a
-    LayerNorm's bf16 input), so the copy shares no storage with the argument: read from
-    ``t``'s graph (a dtype copy and views of the argument), or, where nothing needs a
-    gradient through it, from its shape and floating dtype alone."""
+    among the tensor arguments), or None: read from ``t``'s graph (:func:`~.casts.cast_of`),
+    or, where nothing needs a gradient through it, from its shape and floating dtype alone."""
     if not t.is_floating_point():
         return None
     tensors = [a for a in STATE.args if isinstance(a, torch.Tensor)]
-    node = t.grad_fn
-    if node is None:
-        if t.requires_grad:
-            return None
-        for i, a in enumerate(tensors):
-            if (
-                not a.requires_grad
-                and a.is_floating_point()
-                and a.dtype != t.dtype
-                and a.numel() == t.numel()
-                and a.shape == t.shape
-            ):
+    for i, a in enumerate(tensors):
+        if t.grad_fn is not None:
+            if cast_of(t, a):
                 return i
-        return None
-    copied = False
-    for _ in range(4):
-        name = node.name()
-        if name not in _CAST_CHAIN or not node.next_functions:
-            return None
-        copied = copied or name == "ToCopyBackward0"
-        node = node.next_functions[0][0]
-        if node is None:
-            return None
-        if copied:
-            for i, a in enumerate(tensors):
-                if a.numel() == t.numel() and (
-                    a.grad_fn is node or getattr(node, "variable", None) is a
-                ):
-                    return i
+        elif (
+            not t.requires_grad
+            and not a.requires_grad
+            and a.is_floating_point()
+            and a.dtype != t.dtype
+            and a.shape == t.shape
+        ):
+            return i
     return None

@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from ..casts import CAST_NODES, copy_chain
 from ..packed import storage_base
 
-#: autograd nodes of a copy to another dtype and of views: a chain of them from ``t`` to
-#: ``x`` makes ``t`` a view of ``x``'s cast
-_CAST_NODES = frozenset(
-    {"ToCopyBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"}
-)
-
-
-#: ... and the expand a batched ``matmul`` adds before its ``bmm`` (a view of the same size:
-#: the caller checks the sizes match), between an attention map and the bf16 copy of it that
-#: ``attn @ v`` saves under autocast when the softmax ran in float32 (CUDA's policy)
-_OPERAND_CAST_NODES = _CAST_NODES | {"ExpandBackward0"}
-
 #: autograd nodes of a copy and of layout changes, between a parameter and its saved copy
-_COPY_NODES = _CAST_NODES | {"TBackward0", "TransposeBackward0", "PermuteBackward0"}
+_COPY_NODES = CAST_NODES | {"TBackward0", "TransposeBackward0", "PermuteBackward0"}
 
 
 def parameter_copy(t: torch.Tensor, args: Sequence[Any]) -> bool:
@@ -51,28 +40,6 @@ def parameter_copy(t: torch.Tensor, args: Sequence[Any]) -> bool:
                 isinstance(first, torch.Tensor) and first is not a and first.numel() == t.numel()
             )
     return False
-
-
-def copy_chain(t: torch.Tensor, nodes: frozenset[str], depth: int = 3) -> Iterator[Any]:
-    """The autograd nodes ``t`` was made from, one step back at a time, while each step is
-    one of ``nodes`` (copies and views): at most ``depth`` of them."""
-    node = t.grad_fn
-    for _ in range(depth):
-        if node is None or node.name() not in nodes or not node.next_functions:
-            return
-        node = node.next_functions[0][0]
-        if node is None:
-            return
-        yield node
-
-
-def cast_of(t: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether autograd made ``t`` from ``x`` by a dtype copy and views alone (the autocast
-    cast of a projection's input, reshaped to 2-d), read from ``t``'s graph: exact, no pass
-    over the values."""
-    target = x.grad_fn
-    chain = copy_chain(t, _OPERAND_CAST_NODES, depth=4)
-    return target is not None and any(n is target for n in chain)
 
 
 def is_parameter(t: torch.Tensor, skip: set[int], args: Sequence[Any]) -> bool:

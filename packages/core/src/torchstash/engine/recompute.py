@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..casts import cast_of
 from ..compressor import Compressor
 from ..derive import (
     CARRY_OPS,
@@ -36,7 +37,6 @@ from ..packed import Packed
 from ..site import Site
 from .entries import RELEASED, Entry, Recomputed, dedupe_key, version_alias
 from .messages import FUSED_EXACT_REASON
-from .params import cast_of
 from .tally import Row, Tally
 
 if TYPE_CHECKING:
@@ -353,12 +353,7 @@ class Recomputation:
         if site.op not in AUTOCAST_CASTING_OPS or not OP_STATE.args:
             return None
         x = OP_STATE.args[0]
-        if (
-            not isinstance(x, torch.Tensor)
-            or x.dtype == t.dtype
-            or x.numel() != t.numel()
-            or not cast_of(t, x)
-        ):
+        if not isinstance(x, torch.Tensor) or not cast_of(t, x):
             return None
         found = self._recipes.get(dedupe_key(x))
         if found is None or found[0]() is None:
