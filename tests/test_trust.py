@@ -449,6 +449,28 @@ def _forced(backend: str):  # type: ignore[no-untyped-def]
     return sdpa_kernel(getattr(SDPBackend, backend))
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_replay_kernels_bind_their_arguments(causal: bool) -> None:
+    """Without a GPU: each CUDA kernel in FUSED_ATTENTION, called as the engine replays it on
+    meta tensors (torch's shape functions), takes q, k, v, the flags and the scale where its
+    op's schema wants them, and returns the output and a log-sum-exp over q's rows (flash,
+    memory-efficient), or one with a trailing 1 (cuDNN: the engine keeps those calls exact)."""
+    from torchstash import derive
+
+    q = torch.empty(2, 4, 64, 32, device="meta", dtype=torch.bfloat16)
+    k = v = torch.empty(2, 4, 48, 32, device="meta", dtype=torch.bfloat16)  # 48 keys
+    kernels = {n: kern for n, kern in derive.FUSED_ATTENTION.items() if kern.device == "cuda"}
+    assert len(kernels) == 3
+    for name, kernel in kernels.items():
+        assert not kernel.takes_mask
+        out, lse = kernel.replay(q, k, v, 0.0, causal, attn_mask=None, scale=0.25)[:2]
+        assert out.shape == (2, 4, 64, 32) and out.dtype == torch.bfloat16, name
+        rows = "Cudnn" not in name
+        assert lse.shape == ((2, 4, 64) if rows else (2, 4, 64, 1)), (name, lse.shape)
+        with pytest.raises(AssertionError):
+            kernel.replay(q, k, v, 0.0, causal, attn_mask=torch.empty(64, 64, device="meta"))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend", CUDA_BACKENDS)
 def test_cuda_replay_kernels_give_the_forward_bit_for_bit(backend: str) -> None:

@@ -463,64 +463,65 @@ def _cpu_flash(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
     return out
 
 
-def _cuda_flash(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dropout_p: float,
-    is_causal: bool,
-    attn_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, ...]:
-    assert attn_mask is None  # FlashAttention takes none (AttentionKernel.takes_mask)
-    out: tuple[torch.Tensor, ...] = torch.ops.aten._scaled_dot_product_flash_attention(
-        q, k, v, dropout_p, is_causal, False, scale=scale
-    )
-    return out
+def _without_mask(
+    call: Callable[..., tuple[torch.Tensor, ...]],
+) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """A CUDA kernel's replay from ``call(q, k, v, dropout_p, is_causal, scale)``: these get
+    no mask as the user gave it (:attr:`AttentionKernel.takes_mask`)."""
+
+    def replay(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dropout_p: float,
+        is_causal: bool,
+        attn_mask: torch.Tensor | None = None,
+        scale: float | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        assert attn_mask is None
+        return tuple(call(q, k, v, dropout_p, is_causal, scale))
+
+    return replay
 
 
-def _cuda_efficient(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dropout_p: float,
-    is_causal: bool,
-    attn_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, ...]:
-    assert attn_mask is None  # see AttentionKernel.takes_mask
-    out: tuple[torch.Tensor, ...] = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, None, True, dropout_p, is_causal, scale=scale
-    )
-    return out
-
-
-def _cuda_cudnn(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dropout_p: float,
-    is_causal: bool,
-    attn_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, ...]:
-    assert attn_mask is None  # see AttentionKernel.takes_mask
-    out: tuple[torch.Tensor, ...] = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q, k, v, None, True, dropout_p, is_causal, False, scale=scale
-    )
-    return out
+_ATEN = torch.ops.aten
 
 
 #: Fused attention kernels whose output and log-sum-exp the engine recomputes, by the name
 #: of the backward node the call made (read from the output's graph once it returned). Only
-#: kernels checked against stock: others keep their saves exact, and so does a kernel whose
+#: kernels checked against stock: others keep their saves exact, and so does a call whose
 #: log-sum-exp is not shaped like the output's rows (memory-efficient attention pads it to a
-#: multiple of 32 rows; the engine then finds no second output to recompute).
+#: multiple of 32 rows, cuDNN's has a trailing 1): the engine then finds no second output
+#: to recompute, and turns the call's codes back into the exact tensors.
 FUSED_ATTENTION: dict[str, AttentionKernel] = {
     "ScaledDotProductFlashAttentionForCpuBackward0": AttentionKernel("cpu", _cpu_flash),
-    "ScaledDotProductFlashAttentionBackward0": AttentionKernel("cuda", _cuda_flash, False),
-    "ScaledDotProductEfficientAttentionBackward0": AttentionKernel("cuda", _cuda_efficient, False),
-    "ScaledDotProductCudnnAttentionBackward0": AttentionKernel("cuda", _cuda_cudnn, False),
+    "ScaledDotProductFlashAttentionBackward0": AttentionKernel(
+        "cuda",
+        _without_mask(
+            lambda q, k, v, p, causal, scale: _ATEN._scaled_dot_product_flash_attention(
+                q, k, v, p, causal, False, scale=scale
+            )
+        ),
+        takes_mask=False,
+    ),
+    "ScaledDotProductEfficientAttentionBackward0": AttentionKernel(
+        "cuda",
+        _without_mask(
+            lambda q, k, v, p, causal, scale: _ATEN._scaled_dot_product_efficient_attention(
+                q, k, v, None, True, p, causal, scale=scale
+            )
+        ),
+        takes_mask=False,
+    ),
+    "ScaledDotProductCudnnAttentionBackward0": AttentionKernel(
+        "cuda",
+        _without_mask(
+            lambda q, k, v, p, causal, scale: _ATEN._scaled_dot_product_cudnn_attention(
+                q, k, v, None, True, p, causal, False, scale=scale
+            )
+        ),
+        takes_mask=False,
+    ),
 }
 
 
