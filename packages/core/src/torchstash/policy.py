@@ -11,7 +11,8 @@ Selectors:
   ``op``     op that saved the tensor (``linear``, ``matmul``, ``softmax``, ``gelu``...), or a
              plug-in's own op (``memsave.relu``): a rule naming one overrides its default code
   ``op_index`` with ``op``: the op's occurrence index in one forward
-  ``role``   the tensor's role in that op (``input``, ``arg1``, ``arg2``..., ``output``; a glob)
+  ``role``   the tensor's role in that op (``input``, ``arg1``, ``arg2``..., ``output``; a glob;
+             autocast's copy of an argument has the argument's role)
   ``tag``    a ``type`` or an ``op`` (Mesa's tags cover modules and functional ops alike)
 """
 
