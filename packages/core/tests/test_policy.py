@@ -200,3 +200,18 @@ def test_toml_line_numbers_survive_spaces_strings_and_arrays() -> None:
 def test_inline_rules_give_no_line_rather_than_a_wrong_one() -> None:
     with pytest.raises(PolicyError, match=r"rule 2 \(i.toml\): unknown key"):
         Policy.from_toml('rule = [{strategy = "none"}, {tpye = "gelu"}]\n', "i.toml")
+
+
+def test_a_role_rule_reaches_autocasts_copy(toy_strategies: list[str]) -> None:
+    """Under autocast a Linear saves a bf16 copy of its float32 input: a rule for the linear
+    ops' ``input`` reaches it, as it does without autocast (it saw the copy as ``output``)."""
+    policy = Policy.from_rules([{"op": "linear", "role": "input", "strategy": "test.half"}])
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+    x = torch.randn(8, 32)  # its copy needs no gradient: told by shape and dtype
+    for autocast in (False, True):
+        with ts.apply(model, policy=policy, min_bytes=0) as h:
+            with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                out = model(x)
+            out.float().sum().backward()
+        rows = h.tally.rows
+        assert rows["0"].compressed == 1 and rows["2"].compressed == 1, (autocast, rows)
