@@ -107,18 +107,8 @@ conv_transpose2dMemSave = _conv_transpose(2)
 conv_transpose3dMemSave = _conv_transpose(3)
 
 
-def batch_normMemSave(
-    input: torch.Tensor,
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    training: bool = False,
-    momentum: float = 0.1,
-    eps: float = 1e-5,
-) -> torch.Tensor:
-    """``F.batch_norm``'s arguments and defaults."""
-    return ms.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+#: ``F.batch_norm``'s arguments and defaults, as memsave_torch's
+batch_normMemSave = ms.batch_norm
 
 
 def dropoutMemSave(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -126,17 +116,8 @@ def dropoutMemSave(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     return ms.dropout(x, p, training)
 
 
-def maxpool2dMemSave(
-    input: torch.Tensor,
-    kernel_size: IntOrSeq,
-    stride: IntOrSeq | None = None,
-    padding: IntOrSeq = 0,
-    dilation: IntOrSeq = 1,
-    ceil_mode: bool = False,
-    return_indices: bool = False,
-) -> Any:
-    """``F.max_pool2d``'s arguments and defaults."""
-    return ms.max_pool2d(input, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
+#: ``F.max_pool2d``'s arguments and defaults, as memsave_torch's
+maxpool2dMemSave = ms.max_pool2d
 
 
 def reluMemSave(x: torch.Tensor) -> torch.Tensor:
