@@ -257,6 +257,76 @@ def test_gact_explicit_hooks_form() -> None:
     controller.uninstall_hook()
 
 
+def mlp_grads(model: nn.Module, hooks: tuple[object, object] | None = None) -> list[torch.Tensor]:
+    """One step of a 3-layer MLP, under the baseline's pass-through hooks (GACT's GNN
+    benchmark without ``--actnn``) or the given ones."""
+    torch.manual_seed(1)
+    x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+    pack, unpack = hooks or (lambda t: t, lambda t: t)
+    model.zero_grad()
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):  # type: ignore[arg-type]
+        nn.functional.cross_entropy(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10)
+    )
+
+
+@pytest.mark.parametrize("level", ["L1.2", "L2"])
+def test_gact_controller_never_hooked_changes_nothing(level: str) -> None:
+    """GACT's controller does nothing until its hooks are used; its GNN benchmark builds one
+    for the full-precision baseline too. Built, iterated, never hooked: stock, bit for bit;
+    hooked, quantized; unhooked, stock again."""
+    gact.set_optimization_level(level)
+    model = mlp()
+    stock = mlp_grads(model)
+    controller = gact.controller.Controller(model)
+    assert controller.handle is None and ts.handle_of(model) is None
+    got = mlp_grads(model)
+    controller.iterate(None)
+    assert all(torch.equal(a, b) for a, b in zip(got, stock, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(mlp_grads(model), stock, strict=True))
+    controller.install_hook()
+    assert ts.handle_of(model) is controller.handle is not None
+    hooked = mlp_grads(model)
+    assert not all(torch.equal(a, b) for a, b in zip(hooked, stock, strict=True))
+    controller.uninstall_hook()
+    assert ts.handle_of(model) is None
+    assert all(torch.equal(a, b) for a, b in zip(mlp_grads(model), stock, strict=True))
+
+
+def test_gact_explicit_form_applies_the_level_when_first_called() -> None:
+    """The explicit form applies the level at ``quantize``'s first call, in the first forward:
+    that step quantizes every save but those already under way (the first layer's input, which
+    made the call); from the second step on, every save, as under ``install_hook``."""
+    gact.set_optimization_level("L1.2")
+    hooked = gact.Controller(mlp())
+    hooked.install_hook()
+    mlp_grads(hooked.model)
+    assert hooked.handle is not None
+    full = hooked.handle.tally
+    model = mlp()
+    stock = mlp_grads(model)
+    controller = gact.Controller(model)
+    hooks = (controller.quantize, controller.dequantize)
+    first = mlp_grads(model, hooks)
+    assert controller.handle is not None
+    tally = controller.handle.tally
+    assert sorted(tally.rows) == ["1", "2", "3", "4"]
+    assert sorted(full.rows) == ["0", "1", "2", "3", "4"]
+    assert tally.raw_bytes == full.raw_bytes - 64 * 32 * 4  # the input of layer 0
+    assert not all(torch.equal(a, b) for a, b in zip(first, stock, strict=True))
+    tally.reset()
+    mlp_grads(model, hooks)
+    assert tally.raw_bytes == full.raw_bytes and tally.stored_bytes == full.stored_bytes
+    controller.uninstall_hook()
+    hooked.uninstall_hook()
+
+
 @pytest.mark.parametrize(
     ("level", "expected"),
     [

@@ -25,9 +25,11 @@ from .qscheme import QScheme
 
 class _Quantized:
     """The stash block a Q-layer runs its forward in (first among a Q-layer's bases, so its
-    ``forward`` wraps the torch layer's)."""
+    ``forward`` wraps the torch layer's). A torch layer ``QModule`` converted has none (the
+    class defaults): the model's level decides its saves."""
 
-    _actnn_stash: ts.stash | None
+    _actnn_stash: ts.stash | None = None
+    scheme: QScheme | None = None
 
     def _actnn_init(self, scheme: QScheme | None = None) -> None:
         self.scheme = scheme

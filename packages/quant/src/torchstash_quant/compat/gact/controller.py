@@ -5,13 +5,17 @@
     with torch.autograd.graph.saved_tensors_hooks(controller.quantize, controller.dequantize):
         ...
 
-The level in ``gact.config`` when the controller is built is applied to the model through
-``torchstash.apply`` (public ``saved_tensors_hooks``, sites named by module and op, where
-GACT keyed tensors by call order and broke on dynamic graphs): the model's own forward goes
-through torchstash's hooks, which are innermost, so in the explicit form ``quantize`` sees
-only what is saved outside the model (a loss), and keeps it as it is. ``iterate`` counts
-steps: GACT re-ran ``backprop`` three times per saved tensor to measure sensitivities, and
-``quant.auto`` estimates them from the step itself, so ``backprop`` is never called.
+As in GACT, a controller changes nothing until its hooks are used (GACT's GNN benchmark
+builds one for its full-precision baseline too). The level in ``gact.config`` when it is
+built is applied to the model by ``install_hook``, or by the first call of ``quantize`` or
+``dequantize``, through ``torchstash.apply`` (public ``saved_tensors_hooks``, sites named by
+module and op, where GACT keyed tensors by call order and broke on dynamic graphs). The
+model's own forward then goes through torchstash's hooks, which are innermost, so in the
+explicit form ``quantize`` sees only what is saved outside the model (a loss), and keeps it as
+it is; in the first forward, also what the modules already running when it was first called
+save (the first layer's input, which made that call). ``iterate`` counts steps: GACT re-ran
+``backprop`` three times per saved tensor to measure sensitivities, and ``quant.auto``
+estimates them from the step itself, so ``backprop`` is never called.
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ class Controller:
         self.handle: ts.Handle | None = None
         self.iter = 0
         self.bit = config.bit
-        self._install()
+        # The level is read now, as GACT's was (a bad config fails here), and applied later.
+        self._level = strategy()
 
     def _install(self) -> None:
-        name, options = strategy()
+        name, options = self._level
         if self.handle is None and name is not None:
             self.handle = ts.apply(self.model, name, **{**options, **self.options})
 
@@ -46,7 +51,8 @@ class Controller:
         self._install()
 
     def uninstall_hook(self) -> None:
-        """Take torchstash off the model."""
+        """Take torchstash off the model (a later ``install_hook`` or ``quantize`` puts it
+        back, as GACT's ``quantize`` kept quantizing)."""
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
@@ -56,11 +62,13 @@ class Controller:
         self.iter += 1
 
     def quantize(self, input: torch.Tensor) -> Any:
-        """The explicit form's pack hook: what the model saves went through torchstash
-        already; anything else is kept as it is."""
+        """The explicit form's pack hook: its first call applies the level, from then on
+        what the model saves goes through torchstash; anything else is kept as it is."""
+        self._install()
         return input
 
     def dequantize(self, input: Any) -> torch.Tensor:
+        self._install()
         return input
 
     def __del__(self) -> None:
