@@ -95,3 +95,20 @@ def test_textures_are_deterministic(conv) -> None:
     b = conv.textures(16, 32, 8, torch.Generator().manual_seed(3))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert a[0].shape == (16, 3, 32, 32)
+
+
+def test_constant_schedule_keeps_every_model_at_its_rate(conv, tmp_path: Path) -> None:
+    cfg = conv.Config.quick()
+    cosine = [conv.make_task(m, cfg, 20, 0, torch.device("cpu")) for m in conv.MODELS]
+    assert all(t.lr_factor(0, 20) < 1.0 or t.lr_factor(19, 20) < 1.0 for t in cosine)
+    constant = conv.replace(cfg, schedule="constant")
+    for m in conv.MODELS:
+        task = conv.make_task(m, constant, 20, 0, torch.device("cpu"))
+        assert [task.lr_factor(i, 20) for i in range(20)] == [1.0] * 20, m
+    args = ["--quick", "--steps", "2", "--threads", "1", "--device", "cpu"]
+    args += ["--models", "gpt-manual", "--strategies", "none", "--schedule", "constant"]
+    args += ["--json", str(tmp_path / "c.json")]
+    out = io.StringIO()
+    assert conv.main(args, console=Console(file=out, width=300)) == 0
+    assert json.loads((tmp_path / "c.json").read_text())["config"]["schedule"] == "constant"
+    assert "both constant, no warmup" in out.getvalue()
