@@ -146,6 +146,7 @@ def auto(
     values = AutoQuantizer(budget, bits, group_size, interval, stochastic, seed)
     if derive:
         values.unranked_bits = dict(UNRANKED_BITS)
+        values.derive = True
     start = {
         "elementwise": ACT_DEFAULT.get(values.default_bits),
         "norm": NORM_DEFAULT.get(values.default_bits),
