@@ -36,6 +36,7 @@ class ModuleRow:
     declined: dict[str, int]
     ops: dict[str, int]
     derived: int = 0
+    held_bytes: int = 0
 
     @property
     def ratio(self) -> float:
@@ -55,6 +56,7 @@ class ModuleRow:
             dict(r.declined),
             dict(r.ops),
             r.derived,
+            r.held_bytes,
         )
 
 
@@ -83,6 +85,14 @@ class Report:
         return sum(r.stored_bytes for r in self.rows)
 
     @property
+    def held_bytes(self) -> int:
+        """What the allocators hold for ``stored_bytes``: each block at its allocator's
+        granularity (512 bytes on CUDA, malloc's chunk on the CPU) and, on the CPU, each
+        storage's and tensor's record (a few hundred bytes each: a small tensor's are most of
+        it). The heap holds this, not the payload (:class:`~torchstash.packed.Allocation`)."""
+        return sum(r.held_bytes for r in self.rows)
+
+    @property
     def host_bytes(self) -> int:
         """Of ``stored_bytes``, bytes moved to host memory from an accelerator."""
         return sum(r.host_bytes for r in self.rows)
@@ -105,6 +115,7 @@ class Report:
         d.update(
             raw_bytes=self.raw_bytes,
             stored_bytes=self.stored_bytes,
+            held_bytes=self.held_bytes,
             host_bytes=self.host_bytes,
             ratio=self.ratio if self.device_bytes else None,
             step_time_s=self.step_time_s,
@@ -121,7 +132,8 @@ class Report:
         from rich.table import Table
 
         t = Table(title=f"torchstash.measure: {self.strategy} on {self.device}")
-        for col in ("module", "type", "saved", "raw MB", "stored MB", "ratio", "declined"):
+        cols = ("module", "type", "saved", "raw MB", "stored MB", "held MB", "ratio", "declined")
+        for col in cols:
             t.add_column(col, justify="left" if col in ("module", "type", "declined") else "right")
         rows = sorted(self.rows, key=lambda r: -r.raw_bytes)
         for r in rows[:top] if top else rows:
@@ -132,13 +144,15 @@ class Report:
                 str(r.saved),
                 f"{r.raw_bytes / MB:.3f}",
                 f"{r.stored_bytes / MB:.3f}",
+                f"{r.held_bytes / MB:.3f}",
                 f"{r.ratio:.2f}x",
                 str(declined) if declined else "",
             )
         peak = f", CUDA peak {self.cuda_peak_bytes / MB:.1f} MB" if self.cuda_peak_bytes else ""
         t.caption = (
             f"total raw {self.raw_bytes / MB:.3f} MB, stored {self.stored_bytes / MB:.3f} MB "
-            f"({self.raw_bytes / max(self.stored_bytes, 1):.2f}x), step {self.step_time_s * 1e3:.1f} ms{peak}"
+            f"({self.raw_bytes / max(self.stored_bytes, 1):.2f}x; the allocator holds "
+            f"{self.held_bytes / MB:.3f} MB for it), step {self.step_time_s * 1e3:.1f} ms{peak}"
         )
         return t
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 Payload = Union[torch.Tensor, "Packed"]
 Setting = int | float | bool | str | None | tuple[int, ...]
@@ -110,6 +109,56 @@ def _storages(tensors: Iterable[torch.Tensor]) -> dict[object, tuple[int, torch.
     return found
 
 
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """What a device's allocator holds for a storage and the tensors over it, beyond their
+    bytes: a block of the bytes and ``header``, rounded up to ``granule`` (``minimum`` at
+    least), and the records of the storage and of each tensor where they are that device's
+    memory."""
+
+    granule: int = 1
+    header: int = 0
+    minimum: int = 0
+    storage: int = 0
+    tensor: int = 0
+
+    def held(self, nbytes: int) -> int:
+        """Bytes held for one tensor kept over a storage of ``nbytes`` newly counted (0: over
+        one counted already, which adds only the tensor's record)."""
+        if not nbytes:
+            return self.tensor
+        granule = self.granule
+        block = max(self.minimum, (nbytes + self.header + granule - 1) // granule * granule)
+        return self.tensor + self.storage + block
+
+
+#: c10's CPU allocator takes each storage from glibc's malloc (``posix_memalign``, 64-byte
+#: aligned): a chunk of the bytes and an 8-byte header, rounded up to 16, 32 at least
+#: (``malloc_usable_size`` reads the chunk less its header; the aligned chunk is 16 bytes more
+#: one time in four). A chunk malloc maps on its own (above its threshold, 128 KiB, raised up
+#: to 32 MiB as mapped chunks are freed) is rounded to a page instead: at most 4 KiB more on
+#: 128 KiB or more. The records are malloc's chunks too, on a 64-bit build: 200 bytes of a
+#: tensor's ``TensorImpl``, and 144 of a storage's ``StorageImpl`` (112) with the version
+#: counter the tensors over it share (32).
+CPU_ALLOCATION = Allocation(granule=16, header=8, minimum=32, storage=144, tensor=200)
+#: CUDA's caching allocator rounds each block up to a multiple of 512 bytes; the records are
+#: host memory, not the device's.
+CUDA_ALLOCATION = Allocation(granule=512)
+#: A device whose allocator's rule is not known here: its bytes as they are.
+EXACT_ALLOCATION = Allocation()
+ALLOCATIONS = {"cpu": CPU_ALLOCATION, "cuda": CUDA_ALLOCATION}
+_BY_DEVICE: dict[torch.device, Allocation] = {}
+
+
+def allocation(device: torch.device) -> Allocation:
+    """The rule of what ``device``'s allocator holds (:data:`ALLOCATIONS`), looked up by the
+    device itself: reading its type costs more than the rest of a save's count."""
+    rule = _BY_DEVICE.get(device)
+    if rule is None:
+        rule = _BY_DEVICE[device] = ALLOCATIONS.get(device.type, EXACT_ALLOCATION)
+    return rule
+
+
 class StorageLedger:
     """Storages counted once while the one that counted them holds them.
 
@@ -119,10 +168,18 @@ class StorageLedger:
     storage when no live owner counted it yet, and 0 when one did. A record lapses when its
     owner is gone (a freed graph's entry) or its storage was freed (the address may then hold
     another storage).
+
+    A record holds its storage through a weak reference to the storage's Python object, which
+    lives exactly as long as the storage (PyTorch keeps it with the ``StorageImpl``), and never
+    through a C++ weak reference: that one keeps the freed storage's ``StorageImpl`` in the
+    heap until the record goes, and records outlive their step (until the next prune). Kept
+    among the next steps' tensor buffers, those small chunks fragment glibc's heap: a 6-layer
+    MLP under ``none`` grew the process by 25 to 190 MB over 600 steps with nothing leaked.
     """
 
     def __init__(self) -> None:
-        self._records: dict[tuple[int, torch.device], tuple[weakref.ref[Any], StorageWeakRef]] = {}
+        self._records: dict[tuple[int, torch.device], tuple[weakref.ref[Any], weakref.ref[Any]]]
+        self._records = {}
         self._limit = 1024
 
     def count(self, t: torch.Tensor | Packed, owner: object) -> int:
@@ -130,14 +187,25 @@ class StorageLedger:
         a live owner; they are counted for ``owner`` (held weakly) from now on."""
         if isinstance(t, Packed):
             return sum(self.count(p, owner) for p in t.payload_tensors())
+        return self._claim(t, t.device, owner)
+
+    def hold(self, t: torch.Tensor, owner: object) -> tuple[int, int]:
+        """:meth:`count` for a tensor ``owner`` keeps, and the bytes its device's allocator
+        holds for it (:meth:`Allocation.held`): the storage's block and record when newly
+        counted, and the tensor's own record."""
+        device = t.device
+        nbytes = self._claim(t, device, owner)
+        return nbytes, allocation(device).held(nbytes)
+
+    def _claim(self, t: torch.Tensor, device: torch.device, owner: object) -> int:
         storage = _storage(t)
         if storage is None:
             return raw_nbytes(t)
-        key = (storage.data_ptr(), t.device)
+        key = (storage.data_ptr(), device)
         record = self._records.get(key)
-        if record is not None and record[0]() is not None and not record[1].expired():
+        if record is not None and record[0]() is not None and record[1]() is not None:
             return 0
-        self._records[key] = (weakref.ref(owner), StorageWeakRef(storage))
+        self._records[key] = (weakref.ref(owner), weakref.ref(storage))
         if len(self._records) > self._limit:
             self._prune()
         return storage.nbytes()
@@ -150,13 +218,18 @@ class StorageLedger:
             return 0
         key = (storage.data_ptr(), t.device)
         record = self._records.get(key)
-        if record is None or record[0]() is not owner or record[1].expired():
+        if record is None or record[0]() is not owner or record[1]() is None:
             return 0
         del self._records[key]
         return storage.nbytes()
 
+    def unhold(self, t: torch.Tensor, owner: object) -> tuple[int, int]:
+        """:meth:`release` for a tensor ``owner`` no longer keeps, undoing :meth:`hold`."""
+        nbytes = self.release(t, owner)
+        return nbytes, allocation(t.device).held(nbytes)
+
     def _prune(self) -> None:
         records = self._records
-        for key in [k for k, (o, s) in records.items() if o() is None or s.expired()]:
+        for key in [k for k, (o, s) in records.items() if o() is None or s() is None]:
             del records[key]
         self._limit = max(1024, 2 * len(records))

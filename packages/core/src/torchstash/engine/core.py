@@ -136,11 +136,13 @@ class Engine(Scoping, Recomputation):
         row.raw_bytes += tally.raw_storages.count(t, entry)
         value = entry.value
         if isinstance(value, torch.Tensor | Packed):
-            row.stored_bytes += tally.stored_storages.count(value, entry)
+            tally.keep(row, value, entry)
         elif isinstance(value, Recomputed):  # a mask or scale its recipe holds alive
             for held in value.recipe.held():
                 if storage_base(held) not in self._skip:
-                    row.stored_bytes += tally.stored_storages.count(held, entry)
+                    tally.keep(row, held, entry)
+        if entry.watch is not None:
+            tally.keep_alias(row, entry.watch)
         if isinstance(value, Packed) and t.device.type != "cpu":
             row.host_bytes += value.nbytes("cpu")
 
@@ -154,7 +156,7 @@ class Engine(Scoping, Recomputation):
         packed = entry.value
         if isinstance(packed, Recomputed):  # it held no bytes: now the tensor's
             row = self.tally.row(entry.site)
-            row.stored_bytes += self.tally.stored_storages.count(t, entry)
+            self.tally.keep(row, t, entry)
             row.derived -= 1
             value = t.detach()
             entry.value = value if value.shape == packed.shape else value.view(packed.shape)
@@ -164,7 +166,8 @@ class Engine(Scoping, Recomputation):
         if not isinstance(packed, Packed):
             return
         row = self.tally.row(entry.site)
-        row.stored_bytes += self.tally.stored_storages.count(t, entry) - packed.nbytes()
+        self.tally.drop(row, packed, entry)
+        self.tally.keep(row, t, entry)
         if t.device.type != "cpu":
             row.host_bytes -= packed.nbytes("cpu")
         row.compressed -= 1

@@ -206,11 +206,13 @@ class Recomputation:
         value = entry.value
         if isinstance(value, Packed):
             row.compressed -= 1
-            for payload in value.payload_tensors():
-                row.stored_bytes -= self.tally.stored_storages.release(payload, entry)
+            self.tally.drop(row, value, entry)
         elif isinstance(value, torch.Tensor):
-            row.stored_bytes -= self.tally.stored_storages.release(value, entry)
+            self.tally.drop(row, value, entry)
+            counted = entry.watch is not None  # a code's alias, kept when it became the tensor
             entry.watch = version_alias(value)
+            if entry.watch is not None and not counted:
+                self.tally.keep_alias(row, entry.watch)
         if entry.reason:
             row.declined[entry.reason] -= 1
             if row.declined[entry.reason] <= 0:

@@ -6,7 +6,9 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..packed import StorageLedger
+import torch
+
+from ..packed import Packed, StorageLedger, allocation
 from ..site import Site
 
 
@@ -20,6 +22,9 @@ class Row:
     shared: int = 0  # of which were already stored (same tensor saved by another op)
     raw_bytes: int = 0  # bytes as stock PyTorch would hold them (each storage once)
     stored_bytes: int = 0  # bytes actually held (the storages of what is kept, each once)
+    #: what the allocators hold for stored_bytes: each block at its allocator's granularity,
+    #: and on the CPU each storage's and tensor's own record (:class:`~torchstash.packed.Allocation`)
+    held_bytes: int = 0
     host_bytes: int = 0  # of stored_bytes, held in host memory for an accelerator tensor
     compressed: int = 0  # tensors a compressor packed
     derived: int = 0  # tensors kept as a recompute from another op's stored input (no bytes)
@@ -47,6 +52,30 @@ class Tally:
         if r is None:
             r = self.rows[site.module] = Row(site.module, site.module_type)
         return r
+
+    def keep(self, row: Row, value: torch.Tensor | Packed, owner: object) -> None:
+        """Count what ``owner`` keeps in ``value`` in ``row``: the storages no live owner
+        counted yet in its stored bytes, and what their allocators hold for them and for each
+        tensor in its held bytes."""
+        hold = self.stored_storages.hold
+        for t in (value,) if isinstance(value, torch.Tensor) else value.payload_tensors():
+            nbytes, held = hold(t, owner)
+            row.stored_bytes += nbytes
+            row.held_bytes += held
+
+    def drop(self, row: Row, value: torch.Tensor | Packed, owner: object) -> None:
+        """Undo :meth:`keep`: ``owner`` gave ``value`` up (for its tensor, or for a recipe)."""
+        unhold = self.stored_storages.unhold
+        for t in (value,) if isinstance(value, torch.Tensor) else value.payload_tensors():
+            nbytes, held = unhold(t, owner)
+            row.stored_bytes -= nbytes
+            row.held_bytes -= held
+
+    def keep_alias(self, row: Row, alias: torch.Tensor) -> None:
+        """An entry's version alias (:func:`~.entries.version_alias`): no bytes of the saved
+        tensor's, but a tensor's record and its empty storage's."""
+        rule = allocation(alias.device)
+        row.held_bytes += rule.tensor + rule.storage
 
     def reset(self) -> None:
         with self._lock:
@@ -77,3 +106,7 @@ class Tally:
     @property
     def stored_bytes(self) -> int:
         return sum(r.stored_bytes for r in self.rows.values())
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(r.held_bytes for r in self.rows.values())

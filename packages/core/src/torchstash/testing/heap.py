@@ -15,7 +15,9 @@ the loss (:class:`WithLoss` puts a loss inside the model, where torchstash sees 
 Besides tensor bytes the figure holds the graph's nodes and saved-variable records
 (:func:`graph_overhead` measures them, and :attr:`Reading.tensor_bytes` takes them off), a
 few hundred bytes of ``TensorImpl`` and ``StorageImpl`` per tensor kept, and malloc's header
-of each chunk: compare it with models whose saved tensors are tens of kilobytes or more.
+and rounding of each chunk: the tally's ``stored_bytes`` (payload) leaves those out, its
+``held_bytes`` counts them (:class:`torchstash.packed.Allocation`), and is the figure to
+compare on models whose saved tensors are a few kilobytes.
 
 Conditions:
 
@@ -87,6 +89,7 @@ def _load() -> tuple[Callable[[], _Mallinfo2] | None, str]:
 
 
 _MALLINFO2, _WHY = _load()
+_STATM = "/proc/self/statm"
 _PROBED: str | None = None
 
 
@@ -122,6 +125,19 @@ def heap_bytes() -> int:
         raise RuntimeError(f"torchstash.testing.heap: {_WHY}")
     info = _MALLINFO2()
     return int(info.uordblks) + int(info.hblkhd)
+
+
+def rss_readable() -> bool:
+    """Whether :func:`rss_bytes` can read this process's resident set (Linux's ``/proc``)."""
+    return os.path.exists(_STATM)
+
+
+def rss_bytes() -> int:
+    """Bytes of this process's resident set: what malloc keeps from the system besides what it
+    has handed out (pages a fragmented heap cannot give back show here, not in
+    :func:`heap_bytes`)."""
+    with open(_STATM) as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def held_by_graph(forward: Callable[[], object]) -> int:
@@ -179,6 +195,7 @@ class Reading:
     raw_bytes: int = 0  # the tally's count of what stock would hold (0 for stock)
     stored_bytes: int = 0  # the tally's count of what it holds
     host_bytes: int = 0  # of stored_bytes, in host memory for an accelerator's tensor
+    held_bytes: int = 0  # the tally's count of what the allocator holds for stored_bytes
 
     @property
     def tensor_bytes(self) -> int:
@@ -224,7 +241,14 @@ def read(case: Case, strategy: str | None = None, **options: Any) -> Reading:
             tally = handle.tally
             host = sum(r.host_bytes for r in tally.rows.values())
             return Reading(
-                case.name, strategy, heap, overhead, tally.raw_bytes, tally.stored_bytes, host
+                case.name,
+                strategy,
+                heap,
+                overhead,
+                tally.raw_bytes,
+                tally.stored_bytes,
+                host,
+                tally.held_bytes,
             )
     finally:
         torch.set_num_threads(threads)
@@ -250,7 +274,7 @@ def read_all(cases: Iterable[Case], strategies: Sequence[str]) -> list[Reading]:
 
 
 def run_isolated(
-    cases: Sequence[str], strategies: Sequence[str], scale: int = 1, timeout: float = 600
+    cases: Sequence[str], strategies: Sequence[str], scale: float = 1, timeout: float = 600
 ) -> list[Reading]:
     """:func:`read_all` in a fresh interpreter started with :data:`ISOLATED_ENV`
     (``MALLOC_ARENA_MAX=1`` must be set before a process's first allocation)."""
@@ -284,10 +308,10 @@ def _cross_entropy(logits: Tensor, y: Tensor) -> Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def _gpt(sdpa: bool, scale: int) -> Case:
+def _gpt(sdpa: bool, scale: float) -> Case:
     from ..bench.zoo import GPT
 
-    vocab, ctx, batch = 128, 64, 8 * scale
+    vocab, ctx, batch = 128, 64, _batch(8, scale)
 
     def forward(model: nn.Module) -> Tensor:
         g = torch.Generator().manual_seed(1)
@@ -327,8 +351,8 @@ class SmallCNN(nn.Module):
         return self.head(self.features(x).mean((2, 3)))
 
 
-def _cnn(scale: int) -> Case:
-    batch = 8 * scale
+def _cnn(scale: float) -> Case:
+    batch = _batch(8, scale)
 
     def forward(model: nn.Module) -> Tensor:
         g = torch.Generator().manual_seed(1)
@@ -338,9 +362,9 @@ def _cnn(scale: int) -> Case:
     return Case("cnn", lambda: WithLoss(SmallCNN(), F.cross_entropy), forward)
 
 
-def _linear_bf16(scale: int) -> Case:
+def _linear_bf16(scale: float) -> Case:
     """A bfloat16 chain of projections (DropIT's subject): ``dropit.mink`` at gamma 0.9."""
-    batch = 64 * scale
+    batch = _batch(64, scale)
 
     def build() -> nn.Module:
         layers: list[nn.Module] = []
@@ -360,11 +384,11 @@ def _square_mean(out: Tensor, target: Tensor) -> Tensor:
     return (out.float() - target.float()).pow(2).mean()
 
 
-def _hf_gpt2(scale: int) -> Case | None:
+def _hf_gpt2(scale: float) -> Case | None:
     """Hugging Face's GPT-2 built from a config (no weights), its loss computed inside."""
     if importlib.util.find_spec("transformers") is None:  # the ``hf`` extra
         return None
-    vocab, ctx, batch = 256, 64, 8 * scale
+    vocab, ctx, batch = 256, 64, _batch(8, scale)
 
     def build() -> nn.Module:
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -389,9 +413,14 @@ def _hf_gpt2(scale: int) -> Case | None:
     return Case("hf-gpt2", build, forward)
 
 
-def cases(scale: int = 1) -> dict[str, Case]:
+def _batch(base: int, scale: float) -> int:
+    return max(1, round(base * scale))
+
+
+def cases(scale: float = 1) -> dict[str, Case]:
     """The gauge's models, by name (``hf-gpt2`` where transformers is installed), with
-    ``scale`` times their batch (the tensors grow, the graph's nodes do not)."""
+    ``scale`` times their batch (the tensors grow, the graph's nodes do not; below 1, small
+    tensors, whose records and allocator granularity are a large share of what is held)."""
     found = [_gpt(True, scale), _gpt(False, scale), _cnn(scale), _linear_bf16(scale)]
     hf = _hf_gpt2(scale)
     if hf is not None:
@@ -414,12 +443,14 @@ STRATEGIES = (
 def table(readings: Sequence[Reading]) -> str:
     """Library against gauge, per case and strategy. ``heap`` is the gauge's figure for the
     tensors the graph held (its nodes' overhead taken off); ``raw/heap`` is the tally's raw
-    bytes over stock's, ``stored/heap`` its stored bytes over the strategy's; ``lib`` is the
-    library's ratio (stored / raw) and ``gauge`` the heap's (the strategy's over stock's)."""
+    bytes over stock's, ``stored/heap`` its stored bytes over the strategy's and ``held/heap``
+    what it counts the allocator holds for them (records and granularity: the share the heap
+    holds beyond the payload); ``lib`` is the library's ratio (stored / raw) and ``gauge`` the
+    heap's (the strategy's over stock's)."""
     stock = {r.case: r.tensor_bytes for r in readings if r.strategy == "stock"}
     lines = [
         f"{'case':12} {'strategy':12} {'heap':>10} {'raw':>10} {'stored':>10} "
-        f"{'raw/heap':>8} {'st/heap':>8} {'lib':>7} {'gauge':>7} {'lib/gauge':>9}"
+        f"{'raw/heap':>8} {'st/heap':>8} {'held/heap':>9} {'lib':>7} {'gauge':>7} {'lib/gauge':>9}"
     ]
     for r in readings:
         heap = r.tensor_bytes
@@ -433,6 +464,7 @@ def table(readings: Sequence[Reading]) -> str:
             f"{r.case:12} {r.strategy:12} {heap:>10} {r.raw_bytes:>10} {r.stored_bytes:>10} "
             f"{r.raw_bytes / base if base else math.nan:8.4f} "
             f"{r.stored_bytes / heap if heap else math.nan:8.4f} "
+            f"{r.held_bytes / heap if heap else math.nan:9.4f} "
             f"{lib:7.4f} {gauge:7.4f} {lib / gauge - 1 if gauge else math.nan:+9.2%}"
         )
     return "\n".join(lines)
@@ -445,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--cases", default="", help="comma-separated (default: all)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
-    parser.add_argument("--scale", type=int, default=1, help="times the models' batch")
+    parser.add_argument("--scale", type=float, default=1, help="times the models' batch")
     parser.add_argument("--json", action="store_true", help="one line of JSON readings")
     args = parser.parse_args(argv)
     why = why_unavailable()
