@@ -70,7 +70,7 @@ def test_gact_controller_round_trip() -> None:
     controller.iterate(lambda: calls.append(1))
     assert controller.iter == 1 and calls == []
     tally = controller.handle.tally  # type: ignore[union-attr]
-    assert tally.stored_bytes * 10 < tally.raw_bytes
+    assert tally.stored_bytes * 8 < tally.raw_bytes  # 2 bits, LayerNorm inputs at 8: 9.2x
     controller.uninstall_hook()
     assert ts.handle_of(model) is None
     gact.set_optimization_level("L1")

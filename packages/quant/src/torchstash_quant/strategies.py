@@ -46,8 +46,19 @@ ACT_DEFAULT: dict[int, int | None] = {1: None, 2: 4, 4: 8, 8: None}
 ATTN_DEFAULT: dict[int, int | None] = {1: None, 2: 4, 4: None, 8: None}
 
 
-#: ``norm_bits="auto"`` per width: normalization inputs at 8 bits under 4, at 4 below.
-NORM_DEFAULT: dict[int, int | None] = {1: 4, 2: 4, 4: 8, 8: None}
+#: ``norm_bits="auto"`` per width: normalization inputs at 8 bits under 2 and 4, at 4 under 1.
+#: A LayerNorm's input stands in for its output (``derive``), which every projection after it
+#: reads for its weight gradient. At 4 bits under ``quant.int2`` it carried the error at
+#: trained weights (a trained GPT's residual stream: the restored normalized rows 15-28% off,
+#: ``k``'s weight-gradient cosine 0.64-0.95; at 8 bits 1-2% off, 0.94-0.99), and at a
+#: constant learning rate int2 ended +2.7%, +2.9% and +3.1% above stock (three seeds of
+#: ``scripts/convergence.py --schedule constant --steps 200 --models gpt-manual``); at 8 bits
+#: +1.4%, +1.7% and +2.1%, at 10.5x instead of 12.6x on that GPT.
+NORM_DEFAULT: dict[int, int | None] = {1: 4, 2: 8, 4: 8, 8: None}
+
+#: ``quant.auto``'s start widths of normalization inputs (before its first allocation): 4
+#: bits below a budget of 4, as int2's were; from its first allocation the budget decides.
+AUTO_START_NORM: dict[int, int | None] = {1: 4, 2: 4, 4: 8, 8: None}
 
 
 def quant(
@@ -62,7 +73,7 @@ def quant(
     derive: bool = True,
 ) -> OpAware:
     """Per-group quantization at ``bits`` (1, 2, 4 or 8), plus exact 1-bit ReLU and mask codes;
-    inputs of normalization ops at ``norm_bits`` (``"auto"``: 8 when ``bits`` is 4, 4 below;
+    inputs of normalization ops at ``norm_bits`` (``"auto"``: 8 when ``bits`` is 2 or 4, 4 at 1;
     None: at ``bits`` like everything else); GELU/SiLU inputs as derivative codes of
     ``deriv_bits`` (``"auto"``: 2 bits below 4, else their values; see :data:`DERIV_DEFAULT`);
     attention's values (``v``) at ``attn_bits`` (``"auto"``: see :data:`ATTN_DEFAULT`; None:
@@ -149,7 +160,7 @@ def auto(
         values.derive = True
     start = {
         "elementwise": ACT_DEFAULT.get(values.default_bits),
-        "norm": NORM_DEFAULT.get(values.default_bits),
+        "norm": AUTO_START_NORM.get(values.default_bits),
     }
     values.start_bits = {kind: bits for kind, bits in start.items() if bits is not None}
     default = None if derive or values.budget >= 4 else 2
