@@ -117,7 +117,7 @@ struct QuantArgs {
 template <int BITS>
 void encode(const Params& p, const float* x, const float* u, index_t count, Packer<BITS>* packer) {
   std::uint8_t* c = packer->slot();
-  if (p.special) {
+  if (p.special || p.shape != groupquant::kOrdinary) {
     for (index_t k = 0; k < count; ++k) c[k] = groupquant::code_of(x[k], p, u[k], BITS);
   } else if (p.step > 0.0f) {
     finite_codes(x, u, count, p.lo, p.step, p.top, c);
@@ -216,7 +216,7 @@ void dequantize_elems(const DequantArgs& a, index_t e_lo, index_t e_hi) {
       const index_t seg_end = std::min(s + count, (g + 1) * a.group_size);
       const Params p = groupquant::load_params(a.lo[g], a.step[g], BITS);
       const index_t k0 = i - s;
-      if (p.special) {
+      if (p.special || p.shape != groupquant::kOrdinary) {
         for (index_t k = k0; k < seg_end - s; ++k) vals[k] = groupquant::value_of(codes[k], p, BITS);
       } else {
         affine_values(codes + k0, seg_end - i, p.lo, p.step, vals + k0);

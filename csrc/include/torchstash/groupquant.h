@@ -10,6 +10,9 @@
 //   lo           bf16_down(mn);  step = bf16_up((mx - lo) / L), 0 when L == 0
 //   code         clamp(floor((x - lo) / step + u), 0, L), 0 when step == 0 or on NaN
 //   value        lo + code * step (multiply, then add)
+//   tiny group   finite values all subnormal, not all zero: coded scaled by 2^126 (exact), lo
+//                from its shape (tiny_params), stored as the NaN pattern 0x7F80 | shape;
+//                value (lo + code * step) * 2^-126
 // The arithmetic must not be contracted into FMAs: on the device it uses the explicitly
 // rounded intrinsics (__fsub_rn, __fdiv_rn, __fadd_rn, __fmul_rn), on the host the
 // translation units are built with -ffp-contract=off (torchstash.kernels.loader._flags).
@@ -176,28 +179,73 @@ TS_HD Stats merge(Stats a, Stats b) {
   return Stats{b.mn < a.mn ? b.mn : a.mn, b.mx > a.mx ? b.mx : a.mx, a.nonfinite || b.nonfinite};
 }
 
+// A tiny group (its finite values all subnormal, not all zero) would get bfloat16 subnormals
+// for lo and step, multiples of 2^-133: about two significant bits for randn * 1e-40. It is
+// coded scaled by 2^126, exact for a subnormal, with a lo made from its shape (tiny_params)
+// and stored as the bfloat16 NaN pattern kTinyLo | shape, which no other group stores.
+constexpr std::uint32_t kSmallestNormal = 0x00800000u;  // 2^-126 (also the decoding factor)
+constexpr std::uint32_t kTinyScale = 0x7E800000u;       // 2^126
+constexpr std::uint16_t kTinyLo = 0x7F80u;
+enum Shape : int { kOrdinary = 0, kPositive = 1, kNegative = 2, kBoth = 3 };
+
 // What quantizing and dequantizing a group needs. `step` is the magnitude (>= 0); the
-// stored form carries `special` in its sign bit.
+// stored form carries `special` in its sign bit. `scale` multiplies a value before coding,
+// `unit` a decoded one: 1 for an ordinary group, 2^126 and 2^-126 for a tiny one.
 struct Params {
   float lo;
   float step;
   float top;  // levels(bits, special), as a float for the clamp
   bool special;
+  int shape;
+  float scale;
+  float unit;
 };
+
+// A tiny group's scaled lo from its shape and scaled step: 0 (positive: zero is level 0),
+// -top * step (negative: zero is the top level) or -top * step / 2 (both); all exact.
+TS_HD float tiny_lo(int shape, float top, float step) {
+  const float span = mul_rn(top, step);
+  if (shape == kPositive) return 0.0f;
+  return sub_rn(0.0f, shape == kNegative ? span : mul_rn(span, 0.5f));
+}
+
+TS_HD Params ordinary_params(float lo, float step, float top, bool special) {
+  return Params{lo, step, top, special, kOrdinary, 1.0f, 1.0f};
+}
+
+TS_HD Params tiny_group(int shape, float step, float top, bool special) {
+  return Params{tiny_lo(shape, top, step), step, top, special, shape, bits_float(kTinyScale),
+                bits_float(kSmallestNormal)};
+}
+
+// A tiny group's parameters from its finite range [mn, mx] (not scaled yet).
+TS_HD Params tiny_params(float mn, float mx, float top, bool special) {
+  const float smn = mul_rn(mn, bits_float(kTinyScale));
+  const float smx = mul_rn(mx, bits_float(kTinyScale));
+  const int shape = mn >= 0.0f ? kPositive : mx <= 0.0f ? kNegative : kBoth;
+  const float big = smx > -smn ? smx : -smn;
+  const float width = shape == kPositive ? smx : shape == kNegative ? -smn : add_rn(big, big);
+  return tiny_group(shape, top > 0.0f ? bf16_up(div_rn(width, top)) : 0.0f, top, special);
+}
 
 TS_HD Params make_params(Stats s, int bits) {
   const bool any_finite = s.mn <= s.mx;  // mn stays +inf without a finite element
   // + 0.0f turns -0.0 into +0.0: the group's zeros may have come in either sign.
   const float mn = add_rn(any_finite ? s.mn : 0.0f, 0.0f);
   const float mx = add_rn(any_finite ? s.mx : 0.0f, 0.0f);
-  const int top = levels(bits, s.nonfinite);
+  const float top = static_cast<float>(levels(bits, s.nonfinite));
+  const float big = mx > -mn ? mx : -mn;
+  if (big > 0.0f && big < bits_float(kSmallestNormal)) return tiny_params(mn, mx, top, s.nonfinite);
   const float lo = bf16_down(mn);
-  const float step = top > 0 ? bf16_up(div_rn(sub_rn(mx, lo), static_cast<float>(top))) : 0.0f;
-  return Params{lo, step, static_cast<float>(top), s.nonfinite};
+  const float step = top > 0.0f ? bf16_up(div_rn(sub_rn(mx, lo), top)) : 0.0f;
+  return ordinary_params(lo, step, top, s.nonfinite);
 }
 
 // The bfloat16 bit patterns stored for a group (both values are bfloat16 already).
-TS_HD std::uint16_t stored_lo(const Params& p) { return static_cast<std::uint16_t>(float_bits(p.lo) >> 16); }
+TS_HD std::uint16_t stored_lo(const Params& p) {
+  if (p.shape != kOrdinary) return static_cast<std::uint16_t>(kTinyLo | p.shape);
+  return static_cast<std::uint16_t>(float_bits(p.lo) >> 16);
+}
 TS_HD std::uint16_t stored_step(const Params& p) {
   return static_cast<std::uint16_t>((float_bits(p.step) >> 16) | (p.special ? 0x8000u : 0u));
 }
@@ -205,8 +253,10 @@ TS_HD std::uint16_t stored_step(const Params& p) {
 // A group's parameters back from its stored bfloat16 lo and signed step.
 TS_HD Params load_params(std::uint16_t lo_bits, std::uint16_t step_bits, int bits) {
   const bool special = (step_bits & 0x8000u) != 0;
-  return Params{bf16_bits_to_float(lo_bits), bf16_bits_to_float(static_cast<std::uint16_t>(step_bits & 0x7FFFu)),
-                static_cast<float>(levels(bits, special)), special};
+  const float step = bf16_bits_to_float(static_cast<std::uint16_t>(step_bits & 0x7FFFu));
+  const float top = static_cast<float>(levels(bits, special));
+  if ((lo_bits & 0x7FFFu) > kTinyLo) return tiny_group(lo_bits & 0x7F, step, top, special);  // a NaN lo
+  return ordinary_params(bf16_bits_to_float(lo_bits), step, top, special);
 }
 
 // ---------------------------------------------------------------- per element
@@ -233,13 +283,13 @@ TS_HD std::uint8_t nonfinite_code(float x, int bits) {
   return static_cast<std::uint8_t>((b >> 31) != 0 ? hi - 2 : hi - 1);
 }
 
-// Code of any element of a group.
+// Code of any element of a group (a tiny group's scaled first: exact).
 TS_HD std::uint8_t code_of(float x, const Params& p, float u, int bits) {
   if (!is_finite(x)) return nonfinite_code(x, bits);
-  return p.step > 0.0f ? finite_code(x, p.lo, p.step, p.top, u) : 0;
+  return p.step > 0.0f ? finite_code(mul_rn(x, p.scale), p.lo, p.step, p.top, u) : 0;
 }
 
-// Value of a code: lo + code * step, or the non-finite value a reserved code stands for.
+// Value of a code: (lo + code * step) * unit, or the non-finite value a reserved code stands for.
 TS_HD float value_of(std::uint8_t code, const Params& p, int bits) {
   if (p.special) {
     const int hi = (1 << bits) - 1;
@@ -253,7 +303,7 @@ TS_HD float value_of(std::uint8_t code, const Params& p, int bits) {
       return bits_float(0xFF800000u);
     }
   }
-  return add_rn(p.lo, mul_rn(static_cast<float>(code), p.step));
+  return mul_rn(add_rn(p.lo, mul_rn(static_cast<float>(code), p.step)), p.unit);
 }
 
 // philox_uniform(n, seed, 0)[i]: word i % 4 of Philox block i / 4 at offset 0.

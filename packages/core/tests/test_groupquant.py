@@ -241,6 +241,57 @@ def test_denormals(kernel: None, device: torch.device, bits: int) -> None:
     assert within_step(tiny, y, step.float().repeat_interleave(64))
 
 
+def _subnormal_groups(seed: int) -> torch.Tensor:
+    """Groups of 64 whose finite values are all subnormal: of both signs, positive (with
+    zeros, as after a ReLU), negative, with NaN and Inf, one nonzero value, and ones whose
+    largest magnitude sits next to the smallest normal float32."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = torch.randn(8, 64, generator=gen) * 1e-40
+    groups[1] = groups[1].clamp_min(0)
+    groups[2] = -groups[2].abs()
+    groups[3, [5, 9, 40]] = torch.tensor([NAN, INF, -INF])
+    groups[4] = 0.0
+    groups[4, 17] = 3e-45
+    groups[5] = groups[5] / groups[5].abs().max() * 5e-39
+    groups[6] = groups[6] / groups[6].abs().max() * 1.1754942e-38  # 2**-126: 1.1754944e-38
+    groups[7] = groups[7].clamp_max(0)
+    return groups.reshape(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bits", BITS)
+def test_subnormal_groups_are_coded_at_full_precision(
+    kernel: None, device: torch.device, bits: int, dtype: torch.dtype
+) -> None:
+    """A group whose finite values are all subnormal is coded scaled by 2**126 (exact): its
+    error stays within a step of its own range, as a normal group's does. bfloat16's
+    subnormal steps (multiples of 2**-133) made int8 codes of randn * 1e-40 about 2 bits
+    wide. NaN and Inf come back in place, zeros of a one-signed group exactly."""
+    x = _subnormal_groups(seed=bits).to(dtype)
+    packed, lo, step = check_parity(device, x, bits, 64)
+    got_lo = group_quantize(x.to(device), bits, 64, seed=1234, impl="kernel")[1].cpu()
+    assert torch.equal(got_lo.view(torch.int16), lo.view(torch.int16))  # NaN patterns too
+    if dtype == torch.float32:  # every group tiny: its lo a NaN pattern naming its shape
+        shapes = lo.view(torch.int16).to(torch.int32) - gq_ref.TINY_LO
+        assert shapes[:3].tolist() == [gq_ref.BOTH, gq_ref.POSITIVE, gq_ref.NEGATIVE]
+        assert bool(((shapes >= 1) & (shapes <= 3)).all())
+    y = group_dequantize_ref(packed, lo, step, bits, 64, x.numel(), torch.float32)
+    xf = x.float()
+    if bits >= 2:
+        assert torch.equal(y.isnan(), xf.isnan()) and torch.equal(y.isinf(), xf.isinf())
+        assert torch.equal(y[xf.isinf()], xf[xf.isinf()])
+    else:  # one bit: every non-finite value is NaN
+        assert torch.equal(y.isnan(), ~xf.isfinite())
+    finite = xf.isfinite().view(8, 64)
+    top = torch.tensor([gq_ref.levels(bits, bool(s)) for s in (~finite).any(dim=1)])
+    big = torch.where(finite, xf.view(8, 64).abs(), 0.0).amax(dim=1)
+    bound = torch.where(top > 0, 2 * big.double() / top.clamp_min(1), big.double()) * 1.01
+    err = torch.where(finite, (xf - y).view(8, 64).double().abs(), 0.0)
+    assert bool((err <= bound[:, None] + 2.0**-149).all()), (err.amax(dim=1), bound)
+    zeros = xf.view(8, 64)[1] == 0
+    assert bool(zeros.any()) and bool((y.view(8, 64)[1][zeros] == 0).all())
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_empty(kernel: None, device: torch.device, impl: Impl) -> None:
     for shape in [(0,), (0, 5), (3, 0, 2)]:

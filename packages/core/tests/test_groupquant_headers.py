@@ -56,7 +56,7 @@ int main(int argc, char** argv) {
     state = state * 1664525u + 1013904223u;
     const float step = groupquant::bits_float(0x30000000u | (state >> 4));
     const auto code = static_cast<std::uint8_t>(state & 0xFF);
-    const groupquant::Params prm{lo, step, 255.0f, false};
+    const groupquant::Params prm = groupquant::ordinary_params(lo, step, 255.0f, false);
     volatile float prod = static_cast<float>(code) * step;  // rounded on its own
     if (decode(code, prm) != lo + prod) ++fused;
   }

@@ -13,6 +13,7 @@ from torchstash.bench.zoo import zoo
 from torchstash.derive import DERIVE_OPS
 from torchstash.engine import Engine
 from torchstash.errors import OptionError
+from torchstash.site import Site
 from torchstash.testing import heap
 from torchstash_quant.auto import RECOMPUTED_OPS, AutoQuantizer, Need, allocate
 from torchstash_quant.strategies import auto, quant
@@ -271,3 +272,20 @@ def test_start_widths_count_only_outputs_the_engine_recomputes() -> None:
     """A start width is paid for by its recomputed output (counted before it comes): the
     ops named so must be ones the engine has recipes for."""
     assert RECOMPUTED_OPS <= DERIVE_OPS
+
+
+def test_subnormal_sites_are_measured_at_their_own_scale() -> None:
+    """A group of subnormals stores its step scaled by 2**126 (torchstash.kernels'
+    groupquant): the noise estimate reads it unscaled, as for any other group (read scaled, a
+    site of ``randn * 1e-40`` looked 1e76 times noisier than one of ``randn``)."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 256)
+    estimates = []
+    for scale in (1.0, 1e-40):
+        q = AutoQuantizer(2.0)
+        site = Site(module="fc", module_type="Linear", op="linear", role="input")
+        q.compress(x * scale, site)
+        estimates.append(float(q.stats[site.key].unit_var))
+    # the subnormal site's steps are the normal one's times 1e-40: squared, below float32's range
+    assert 0.0 <= estimates[1] <= estimates[0] * 1e-30
+    assert estimates[0] > 1.0

@@ -52,6 +52,7 @@ import torch
 
 from torchstash.compressor import BaseCompressor
 from torchstash.errors import OptionError
+from torchstash.kernels import group_steps
 from torchstash.packed import Packed
 from torchstash.site import Site
 
@@ -354,11 +355,12 @@ class AutoQuantizer(BaseCompressor):
             kind = "norm_unaligned"
         pinned = self._at_least(LOSS_BITS) if site.op in LOSS_OPS else None
         stats = SiteStats(x.numel(), kind, contraction, pinned=pinned)
-        step = packed.tensors["step"]
-        assert isinstance(step, torch.Tensor)
+        lo, step = packed.tensors["lo"], packed.tensors["step"]
+        assert isinstance(lo, torch.Tensor) and isinstance(step, torch.Tensor)
         levels = float(2**width - 1)
-        # NaN/Inf groups carry a negative step and are stored exactly: no rounding noise.
-        stats.unit_var = step.float().clamp_min(0).square().mean() * (levels * levels / 6)
+        # NaN/Inf groups carry a negative step and are stored exactly: no rounding noise; a
+        # group of subnormals stores its step scaled up (group_steps reads it unscaled).
+        stats.unit_var = group_steps(lo, step).square().mean() * (levels * levels / 6)
         stats.variance = _variance(x)
         self.stats[site.key] = stats
         self._watch(stats, site)

@@ -1,6 +1,7 @@
 """``quant.int8/int4/int2/int1``: per-group stochastic quantization (ActNN's and GACT's scheme).
 
-Groups of ``group_size`` consecutive elements share a bfloat16 minimum and step; codes are
+Groups of ``group_size`` consecutive elements share a bfloat16 minimum and step (a group of
+subnormals is coded scaled by ``2**126``, so its step keeps bfloat16's precision); codes are
 rounded stochastically (unbiased), clamped (no wrap-around), and packed bit-dense, in one
 fused kernel pass (``torchstash.kernels.group_quantize``). The tensor is taken in memory
 order, so transposed and channels_last tensors need no copy and come back with their strides.
@@ -25,6 +26,9 @@ class GroupQuantizer(BaseCompressor):
     lossless = False
     #: :meth:`compress` takes ``bits=`` and ``group_size=`` per tensor
     aligns_groups = True
+    #: where no group size fits a normalization's rows, its groups span rows with one step:
+    #: the rows are scaled to one range first (.centered)
+    scales_rows = True
 
     def __init__(
         self,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from ._dispatch import Impl
 from .bitpack import pack_bits, pack_mask, unpack_bits, unpack_mask
 from .channelquant import channel_dequantize, channel_minmax, channel_quantize
-from .groupquant import group_dequantize, group_quantize
+from .groupquant import group_dequantize, group_quantize, group_steps
 from .loader import available, load, status
 from .philox import philox_uniform
 from .sparse import (
@@ -36,6 +36,7 @@ __all__ = [
     "channel_quantize",
     "group_dequantize",
     "group_quantize",
+    "group_steps",
     "load",
     "mask_compact",
     "mask_offsets",

@@ -14,9 +14,9 @@ import torch
 
 from ._checks import as_int64, check_bits, check_numel, check_packed, check_u64
 from ._dispatch import Impl, use_kernel
-from .groupquant_reference import group_dequantize_ref, group_quantize_ref, num_groups
+from .groupquant_reference import group_dequantize_ref, group_quantize_ref, group_steps, num_groups
 
-__all__ = ["FLOAT_DTYPES", "group_dequantize", "group_quantize"]
+__all__ = ["FLOAT_DTYPES", "group_dequantize", "group_quantize", "group_steps"]
 
 #: The floating-point dtypes both ops read and write.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

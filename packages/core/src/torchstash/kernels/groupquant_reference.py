@@ -23,6 +23,18 @@ Bit-exact definition the CPU and CUDA kernels must reproduce (csrc/README.md rep
   With ``u`` uniform, ``E[lo + code * step] = x``: unbiased.
 * Dequantization: ``lo + code * step`` (fp32 multiply, then add; no FMA), the special codes
   mapped back, then cast to the output dtype (round to nearest even).
+* A *tiny* group: one whose finite values are all subnormal, not all zero (largest finite
+  magnitude ``M`` with ``0 < M < 2**-126``). Its ``lo`` and ``step`` would be bfloat16
+  subnormals, multiples of ``2**-133``: about two significant bits for ``randn * 1e-40``.
+  So it is coded scaled by ``2**126`` (exact for a subnormal): from the scaled ``mn``, ``mx``
+  its shape is *positive* (``mn >= 0``: ``width = mx``), *negative* (``mx <= 0``:
+  ``width = -mn``) or *both* (``width = 2 * max(-mn, mx)``); ``step = bf16_up(width / L)``
+  (0 when ``L == 0``) and, with ``span = L * step`` (exact), ``lo = 0``, ``0 - span`` or
+  ``0 - span * 0.5``: zero is a level of a one-signed group. Stored: ``step`` as any group's;
+  ``lo`` as the bfloat16 NaN pattern ``0x7F80 | shape`` (1, 2, 3), which no other group
+  stores, and from which with ``step`` and ``L`` its ``lo`` is recomputed. Codes of the
+  scaled values, as above; values ``(lo + code * step) * 2**-126`` (one more rounding, to
+  float32's subnormals), then as above.
 """
 
 from __future__ import annotations
@@ -31,7 +43,15 @@ import torch
 
 from .reference import pack_bits_ref, philox_uniform_ref, unpack_bits_ref
 
-__all__ = ["group_dequantize_ref", "group_quantize_ref", "levels", "num_groups"]
+__all__ = ["group_dequantize_ref", "group_quantize_ref", "group_steps", "levels", "num_groups"]
+
+#: Below this largest finite magnitude (float32's smallest normal) a group is *tiny*.
+TINY = 2.0**-126
+#: A tiny group's values are coded multiplied by this (exact: they are subnormal).
+TINY_SCALE = 2.0**126
+#: A tiny group's ``lo`` is stored as this bfloat16 NaN pattern, or'ed with its shape.
+TINY_LO = 0x7F80
+POSITIVE, NEGATIVE, BOTH = 1, 2, 3
 
 _LOW16 = 0xFFFF
 _ULP16 = 0x10000
@@ -46,6 +66,26 @@ def levels(bits: int, special: bool) -> int:
     if not special:
         return (1 << bits) - 1
     return (1 << bits) - 4 if bits >= 2 else 0
+
+
+def _tiny_lo(shape: torch.Tensor, top: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """A tiny group's scaled ``lo`` from its shape, levels and scaled step: 0 (positive),
+    ``-span`` (negative) or ``-span / 2`` (both), ``span = top * step`` (exact)."""
+    span = top * step
+    half = torch.where(shape == NEGATIVE, span, span * 0.5)
+    return torch.where(shape == POSITIVE, torch.zeros_like(span), torch.zeros_like(span) - half)
+
+
+def _tiny_params(
+    mn: torch.Tensor, mx: torch.Tensor, top: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(shape, scaled lo, scaled step) of tiny groups whose finite values span [mn, mx]."""
+    smn, smx = mn * TINY_SCALE, mx * TINY_SCALE
+    shape = torch.where(mn >= 0, POSITIVE, torch.where(mx <= 0, NEGATIVE, BOTH))
+    both = 2.0 * torch.maximum(-smn, smx)
+    width = torch.where(shape == POSITIVE, smx, torch.where(shape == NEGATIVE, -smn, both))
+    step = torch.where(top > 0, bf16_up(width / torch.where(top > 0, top, 1.0)), 0.0)
+    return shape, _tiny_lo(shape, top, step), step
 
 
 def _bits32(v: torch.Tensor) -> torch.Tensor:
@@ -107,6 +147,11 @@ def group_quantize_ref(
     lo = bf16_down(mn)
     d = mx - lo
     step = torch.where(top > 0, bf16_up(d / torch.where(top > 0, top, 1.0)), 0.0)
+    big = torch.maximum(-mn, mx)
+    tiny = (big > 0) & (big < TINY)
+    shape, lo_t, step_t = _tiny_params(mn, mx, top)
+    lo_bits = torch.where(tiny, TINY_LO | shape, lo.to(torch.bfloat16).view(torch.int16))
+    lo, step = torch.where(tiny, lo_t, lo), torch.where(tiny, step_t, step)
     stored_step = torch.where(special, -step, step)
 
     if stochastic:
@@ -116,6 +161,7 @@ def group_quantize_ref(
     u = torch.nn.functional.pad(u, (0, pad)).view(g, group_size)
     lo_e, step_e, top_e = lo[:, None], step[:, None], top[:, None]
     safe_step = torch.where(step_e > 0, step_e, 1.0)
+    xp = torch.where(tiny[:, None], xp * TINY_SCALE, xp)
     v = torch.where(step_e > 0, (xp - lo_e) / safe_step, 0.0)
     q = torch.floor(v + u)
     q = torch.minimum(torch.clamp(q, min=0.0), top_e)
@@ -129,7 +175,30 @@ def group_quantize_ref(
     else:
         q = torch.where(finite, q, 1)
     q = q.to(torch.uint8).reshape(-1)[:n]
-    return pack_bits_ref(q, bits), lo.to(torch.bfloat16), stored_step.to(torch.bfloat16)
+    stored_lo = lo_bits.to(torch.int16).view(torch.bfloat16)
+    return pack_bits_ref(q, bits), stored_lo, stored_step.to(torch.bfloat16)
+
+
+def _loaded_lo(
+    lo: torch.Tensor, step: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which groups are tiny (their stored ``lo`` a NaN pattern, which no other group
+    stores), and every group's ``lo`` in float32: a tiny one's recomputed from its shape."""
+    lo_bits = lo.view(torch.int16).to(torch.int32) & _LOW16
+    tiny = (lo_bits & 0x7FFF) > TINY_LO
+    st = step.to(torch.float32)
+    top = torch.where(torch.signbit(st), float(levels(bits, True)), float(levels(bits, False)))
+    return tiny, torch.where(tiny, _tiny_lo(lo_bits & 0x7F, top, st.abs()), lo.float())
+
+
+def group_steps(lo: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Each group's rounding step in the values' own scale (float32, >= 0; 0 for a group
+    stored exactly): a tiny group's stored step is its scaled one (see the definition above).
+    What a caller that models the codes' noise from the steps reads."""
+    lo_bits = lo.view(torch.int16).to(torch.int32) & _LOW16
+    tiny = (lo_bits & 0x7FFF) > TINY_LO
+    st = step.float().clamp_min(0)
+    return torch.where(tiny, st * TINY, st)
 
 
 def group_dequantize_ref(
@@ -144,9 +213,11 @@ def group_dequantize_ref(
     """The 1-D tensor of ``numel`` values in ``dtype`` that :func:`group_quantize_ref` encoded."""
     codes = unpack_bits_ref(packed, bits, numel).to(torch.int64)
     gid = torch.arange(numel, device=packed.device) // group_size
+    tiny, lo_f = _loaded_lo(lo, step, bits)
     st = step.to(torch.float32)[gid]
     special = torch.signbit(st)
-    val = lo.to(torch.float32)[gid] + codes.to(torch.float32) * st.abs()
+    val = lo_f[gid] + codes.to(torch.float32) * st.abs()
+    val = torch.where(tiny[gid], val * TINY, val)
     if bits >= 2:
         hi = (1 << bits) - 1
         val = torch.where(special & (codes == hi), float("nan"), val)
