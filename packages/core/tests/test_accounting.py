@@ -162,9 +162,11 @@ def test_ledger_keeps_no_freed_storage_in_the_heap() -> None:
     gc.collect()
     before = heap.heap_bytes()
     for ledger in ledgers:
-        for _ in range(4):
+        for _ in range(16):
             ledger.count(torch.empty(64), owner)  # freed at once, its record stays
-    assert heap.heap_bytes() - before < 64 * 4 * 16  # 112 or more each when kept
+    # per record: the ledgers' dict tables (about 36 bytes), and 112 more or over when the
+    # freed StorageImpl is kept
+    assert heap.heap_bytes() - before < 64 * 16 * 80
 
 
 def test_allocation_rules() -> None:
