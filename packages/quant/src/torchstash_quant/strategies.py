@@ -51,7 +51,7 @@ ATTN_DEFAULT: dict[int, int | None] = {1: None, 2: 4, 4: None, 8: None}
 #: reads for its weight gradient. At 4 bits under ``quant.int2`` it carried the error at
 #: trained weights (a trained GPT's residual stream: the restored normalized rows 15-28% off,
 #: ``k``'s weight-gradient cosine 0.64-0.95; at 8 bits 1-2% off, 0.94-0.99), and at a
-#: constant learning rate int2 ended +2.7%, +2.9% and +3.1% above stock (three seeds of
+#: constant learning rate int2 ended +3.3%, +2.9% and +3.1% above stock (three seeds of
 #: ``scripts/convergence.py --schedule constant --steps 200 --models gpt-manual``); at 8 bits
 #: +1.4%, +1.7% and +2.1%, at 10.5x instead of 12.6x on that GPT.
 NORM_DEFAULT: dict[int, int | None] = {1: 4, 2: 8, 4: 8, 8: None}
