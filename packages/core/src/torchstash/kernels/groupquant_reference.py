@@ -179,13 +179,19 @@ def group_quantize_ref(
     return pack_bits_ref(q, bits), stored_lo, stored_step.to(torch.bfloat16)
 
 
+def _tiny_groups(lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which groups are tiny (their stored ``lo`` a NaN pattern, which no other group stores),
+    and every stored ``lo``'s 16 bits."""
+    lo_bits = lo.view(torch.int16).to(torch.int32) & _LOW16
+    return (lo_bits & 0x7FFF) > TINY_LO, lo_bits
+
+
 def _loaded_lo(
     lo: torch.Tensor, step: torch.Tensor, bits: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Which groups are tiny (their stored ``lo`` a NaN pattern, which no other group
     stores), and every group's ``lo`` in float32: a tiny one's recomputed from its shape."""
-    lo_bits = lo.view(torch.int16).to(torch.int32) & _LOW16
-    tiny = (lo_bits & 0x7FFF) > TINY_LO
+    tiny, lo_bits = _tiny_groups(lo)
     st = step.to(torch.float32)
     top = torch.where(torch.signbit(st), float(levels(bits, True)), float(levels(bits, False)))
     return tiny, torch.where(tiny, _tiny_lo(lo_bits & 0x7F, top, st.abs()), lo.float())
@@ -195,8 +201,7 @@ def group_steps(lo: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """Each group's rounding step in the values' own scale (float32, >= 0; 0 for a group
     stored exactly): a tiny group's stored step is its scaled one (see the definition above).
     What a caller that models the codes' noise from the steps reads."""
-    lo_bits = lo.view(torch.int16).to(torch.int32) & _LOW16
-    tiny = (lo_bits & 0x7FFF) > TINY_LO
+    tiny, _ = _tiny_groups(lo)
     st = step.float().clamp_min(0)
     return torch.where(tiny, st * TINY, st)
 
