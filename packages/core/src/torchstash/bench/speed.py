@@ -1,0 +1,368 @@
+"""``python -m torchstash.bench.speed``: what a training step costs under each strategy.
+
+Three models none of the tests use, each where a different cost shows: a host-bound MLP
+(64 small linears: the engine's Python per saved tensor is most of the step), a small CNN
+(conv-BN-ReLU: kernels and rewrites) and a pre-norm GPT with SDPA of width 512 (the
+transformer users train). Every method runs on its own copy of one model; after the warm-up
+steps (``quant.auto`` allocates there) the methods take turns step by step in one process, and
+each gets its median step time over stock's. ``us/saved`` is the step time above stock's
+divided by the tensors stock saves in a step: the engine's work per saved tensor (and, for a
+code, its kernels'). ``saved`` is what a step holds for backward, as a share of stock's.
+``--profile`` shows where a strategy's time goes (``cProfile``, by own time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import io
+import itertools
+import json
+import pstats
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from torch import Tensor, nn
+
+from .common import default_device, fmt, jsonable, num_threads, split_names
+from .compare import CHECKPOINT, Attached, HeldCounter, Method, methods
+
+#: what the table measures by default: nothing compressed, the rewrites, the codes, and the
+#: per-block checkpointing every strategy must beat
+DEFAULT_METHODS = (
+    "none",
+    "memsave",
+    "quant.int8",
+    "quant.int4",
+    "quant.int2",
+    "quant.auto",
+    "quant.fp8",
+    "quant.mesa",
+    CHECKPOINT,
+)
+
+
+class HostBound(nn.Module):
+    """64 x ``Linear(32, 32)`` + GELU at batch 4: each op is a few microseconds of compute, so
+    whatever Python runs per saved tensor is the step's cost."""
+
+    def __init__(self, depth: int = 64, width: int = 32) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            *(m for _ in range(depth) for m in (nn.Linear(width, width), nn.GELU()))
+        )
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.layers(x))
+
+
+class SmallCNN(nn.Module):
+    """Four conv-BN-ReLU stages (one strided) and a linear head, on 32x32 images."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        chans = [3, width, width, 2 * width, 2 * width]
+        self.blocks = nn.Sequential(
+            *(
+                nn.Sequential(
+                    nn.Conv2d(cin, cout, 3, 2 if i == 2 else 1, 1, bias=False),
+                    nn.BatchNorm2d(cout),
+                    nn.ReLU(inplace=True),
+                )
+                for i, (cin, cout) in enumerate(itertools.pairwise(chans))
+            )
+        )
+        self.head = nn.Linear(chans[-1], 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.blocks(x).mean((2, 3)))
+
+
+class PreNormBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.out = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, -1).unbind(2)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.norm2(x))))
+
+
+class SpeedGPT(nn.Module):
+    """A 3-block pre-norm GPT with SDPA (width 512, context 128)."""
+
+    def __init__(self, vocab: int = 256, dim: int = 512, layers: int = 3, heads: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(1, 128, dim))
+        self.blocks = nn.ModuleList(PreNormBlock(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.embed(idx) + self.pos[:, : idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+@dataclass(frozen=True)
+class SpeedModel:
+    name: str
+    build: Callable[[], nn.Module]
+    batch: Callable[[torch.device], tuple[Tensor, Tensor]]
+    #: timed steps per method (each method runs this many steps, taking turns)
+    steps: int
+
+    def loss(self, out: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _classes(shape: tuple[int, ...], n: int) -> Callable[[torch.device], tuple[Tensor, Tensor]]:
+    def batch(device: torch.device) -> tuple[Tensor, Tensor]:
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(shape, generator=g).to(device)
+        return x, torch.randint(0, n, (shape[0],), generator=g).to(device)
+
+    return batch
+
+
+def _tokens(device: torch.device) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 256, (2, 129), generator=g).to(device)
+    return idx[:, :-1], idx[:, 1:]
+
+
+MODELS = (
+    SpeedModel("mlp-host", HostBound, _classes((4, 32), 10), 300),
+    SpeedModel("cnn-small", SmallCNN, _classes((8, 3, 32, 32), 10), 60),
+    SpeedModel("gpt-sdpa", SpeedGPT, _tokens, 30),
+)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def stock_saves(model: nn.Module, x: Tensor, y: Tensor, entry: SpeedModel) -> int:
+    """How many tensors stock PyTorch saves in one forward (each save, shared ones included)."""
+    count = 0
+
+    def pack(t: Tensor) -> Tensor:
+        nonlocal count
+        count += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = entry.loss(model(x), y)
+    loss.backward()
+    return count
+
+
+@dataclass
+class Run:
+    method: Method
+    attached: Attached | None = None
+    times: list[float] | None = None
+    error: str | None = None
+    held: int | None = None
+
+
+def measure_model(
+    entry: SpeedModel,
+    names: Sequence[str],
+    device: torch.device,
+    *,
+    warmup: int = 20,
+    steps: int | None = None,
+    profile: int = 0,
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Rows for ``entry`` under stock and each of ``names``, and with ``profile`` steps the
+    ``cProfile`` listing of each torchstash method."""
+    torch.manual_seed(0)
+    base = entry.build().to(device)
+    x, y = entry.batch(device)
+    n_saves = stock_saves(base, x, y, entry)
+    runs = [Run(m) for m in methods(list(names))]
+    for run in runs:
+        try:
+            run.attached = run.method.attach(copy.deepcopy(base))
+        except Exception as e:  # a method that cannot take this model (no blocks to checkpoint)
+            run.error = f"{type(e).__name__}: {e}"
+
+    def step(run: Run, counter: HeldCounter | None = None) -> None:
+        att = run.attached
+        assert att is not None
+        att.model.zero_grad(set_to_none=True)
+        entry.loss(att.forward(x, counter), y).backward()
+
+    live = [r for r in runs if r.error is None]
+    for run in live:
+        try:
+            for _ in range(warmup):
+                step(run)
+            assert run.attached is not None
+            counter = HeldCounter(run.attached.model, device)
+            step(run, counter)
+            run.held = sum(run.attached.held(counter))
+            run.times = []
+        except Exception as e:
+            run.error = f"{type(e).__name__}: {e}"
+    live = [r for r in runs if r.error is None]
+    for _ in range(steps or entry.steps):  # the methods take turns, step by step
+        for run in live:
+            _sync(device)
+            t0 = time.perf_counter()
+            step(run)
+            _sync(device)
+            assert run.times is not None
+            run.times.append(time.perf_counter() - t0)
+    profiles: dict[str, str] = {}
+    if profile:
+        for run in live:
+            if run.method.family != "torchstash":
+                continue
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(profile):
+                step(run)
+            prof.disable()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+            profiles[f"{entry.name} {run.method.name}"] = out.getvalue()
+    stock = runs[0]
+    assert stock.times, f"stock failed on {entry.name}: {stock.error}"
+    stock_ms = statistics.median(stock.times) * 1e3
+    rows = []
+    for run in runs:
+        if run.attached is not None:
+            run.attached.close()
+        ms = statistics.median(run.times) * 1e3 if run.times else None
+        rows.append(
+            {
+                "model": entry.name,
+                "method": run.method.name,
+                "step_ms": ms,
+                "ratio": ms / stock_ms if ms is not None else None,
+                "us_per_saved": (ms - stock_ms) * 1e3 / n_saves if ms is not None else None,
+                "saves": n_saves,
+                "held_bytes": run.held,
+                "held_share": run.held / stock.held
+                if run.held is not None and stock.held
+                else None,
+                "error": run.error,
+            }
+        )
+    return rows, profiles
+
+
+def speed_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
+    table = Table(title=title)
+    for col in ("model", "method", "step ms", "x stock", "us/saved", "saved"):
+        table.add_column(col, justify="left" if col in ("model", "method") else "right")
+    for r in rows:
+        if r["error"]:
+            table.add_row(r["model"], r["method"], "-", "-", "-", escape(r["error"][:60]))
+            continue
+        share = r["held_share"]
+        table.add_row(
+            r["model"],
+            r["method"],
+            fmt(r["step_ms"], ".2f"),
+            fmt(r["ratio"], ".2f", "x"),
+            "-" if r["method"] == "stock" else fmt(r["us_per_saved"], ".1f"),
+            "-" if share is None else f"{100 * share:.1f}%",
+        )
+    return table
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m torchstash.bench.speed",
+        description="Step time of each strategy over stock's, and the engine's microseconds "
+        "per saved tensor, on three models (methods take turns in one process).",
+    )
+    p.add_argument("--models", type=split_names, default=None, help="mlp-host,cnn-small,gpt-sdpa")
+    p.add_argument(
+        "--strategies",
+        type=split_names,
+        default=None,
+        help=f"methods to time beside stock (default: {','.join(DEFAULT_METHODS)})",
+    )
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (default: 1)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per method")
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps first (default: 20)")
+    p.add_argument(
+        "--profile",
+        type=int,
+        nargs="?",
+        const=50,
+        default=0,
+        metavar="STEPS",
+        help="also profile each strategy for STEPS steps (default 50) and print where it goes",
+    )
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(highlight=False)
+    device = torch.device(args.device) if args.device else default_device()
+    chosen = args.models or [m.name for m in MODELS]
+    unknown = set(chosen) - {m.name for m in MODELS}
+    if unknown:
+        console.print(f"unknown models: {', '.join(sorted(unknown))}")
+        return 2
+    names = args.strategies or list(DEFAULT_METHODS)
+    rows: list[dict[str, Any]] = []
+    with num_threads(args.threads):
+        for entry in MODELS:
+            if entry.name not in chosen:
+                continue
+            got, profiles = measure_model(
+                entry, names, device, warmup=args.warmup, steps=args.steps, profile=args.profile
+            )
+            rows += got
+            for label, text in profiles.items():
+                console.print(f"[bold]{escape(label)}[/bold]")
+                console.print(escape(text), soft_wrap=True)
+    where = f"{device}, {args.threads} thread(s)" if device.type == "cpu" else str(device)
+    console.print(speed_table(rows, f"torchstash speed on {where}: median step, turns taken"))
+    console.print(
+        "x stock = median step over stock's in this run; us/saved = (step - stock's step) / "
+        "tensors stock saves per step; saved = bytes held for backward, share of stock's."
+    )
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(jsonable(rows), indent=2) + "\n")
+    return 1 if any(r["error"] and r["method"] != CHECKPOINT for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
