@@ -27,6 +27,7 @@ from .entries import RELEASED, Entry, Recomputed, Saved, dedupe_key, variant_of
 from .messages import CONSTANT_REASON, FUSED_EXACT_REASON, FUSED_OUTPUT_REASON, KEEP_TYPE
 from .params import is_parameter
 from .recompute import Recomputation, Sources
+from .replay import KEEP, MISSED_REASON, PARAM, SHARED, Move, Recorder, Replayer
 from .scope import Scoping, ThreadState
 from .tally import Row, Tally
 
@@ -56,6 +57,8 @@ class Engine(Scoping, Recomputation):
         self.min_bytes = min_bytes
         self.dedupe = dedupe
         self.tally = Tally()
+        #: the decisions of a recorded forward, replayed on the next ones (:mod:`.replay`)
+        self.replayer = Replayer(self.tally, self._state)
         self._skip_ptrs = skip_ptrs
         self._skip: set[int] = set()
         self._tls = ThreadState()
@@ -68,19 +71,38 @@ class Engine(Scoping, Recomputation):
     def pack(self, t: torch.Tensor) -> Saved:
         """The pack hook: what autograd will hold for ``t`` (a handle to a possibly shared
         entry), with ``t`` counted in its module's row."""
+        tls = self._tls
+        if tls.replaying is not None:
+            saved = self.replayer.pack(t, tls)
+            if saved is not None:
+                return saved
+            self._missed(tls)
+        if tls.missed:
+            return self._keep_missed(t)
+        rec = tls.recorder
+        if rec is not None and not rec.replayable:
+            rec = None
         if self.in_scope is not None and not self.in_scope():
             # Under this engine's hooks but outside its scope (another asyncio task on the
             # thread of a ``stash`` block): kept as stock keeps it, and not counted.
+            if rec is not None:
+                rec.refuse()
             return Saved(Entry(t.detach(), None, _OUTSIDE, t._version, None))
         if is_parameter(t, self._skip, OP_STATE.args):
             self.tally.param_refs += 1
-            return Saved(Entry(t.detach(), None, _PARAMETER, t._version, None))
+            state = Entry(t.detach(), None, _PARAMETER, t._version, None)
+            if rec is not None:
+                rec.note(self._move(PARAM, t, rec, _PARAMETER), state)
+            return Saved(state)
         site = self._site(t)
         row = self.tally.row(site)
         row.saved += 1
         row.ops[site.op or "?"] += 1
         nbytes = raw_nbytes(t)
         compressor, reason = self._choose(t, site, nbytes)
+        if rec is not None and compressor is not None:
+            rec.refuse()  # a code reads the op's arguments: recorded on every forward
+            rec = None
         variant = variant_of(compressor, t, site)
         key = None
         if self.dedupe and t.numel() > 0:
@@ -107,7 +129,10 @@ class Engine(Scoping, Recomputation):
                 self._note_derive_save(t, hit, compressor, site)
                 shape = tuple(t.shape)  # the stored value (tensor or Packed) has its shape
                 hit.pending += 1
-                return Saved(hit, None if shape == tuple(hit.value.shape) else shape)
+                reshape = None if shape == tuple(hit.value.shape) else shape
+                if rec is not None:
+                    self._note_shared(rec, t, site, row, hit, reshape)
+                return Saved(hit, reshape)
         entry = None
         if key is not None and compressor is not None and self._recipes:
             entry = self._recomputed(t, key, compressor, site, row)
@@ -115,6 +140,7 @@ class Engine(Scoping, Recomputation):
             entry = self._store(t, site, row, compressor, reason)
         # a recomputed operand is a source too (``attn @ v``'s bf16 copy of a float32 map)
         self._note_derive_save(t, entry, compressor, site)
+        before = (row.raw_bytes, row.stored_bytes, row.held_bytes)
         self._count(t, entry, row)
         entry.variant = variant
         if not isinstance(entry.value, torch.Tensor):
@@ -125,6 +151,89 @@ class Engine(Scoping, Recomputation):
             graph.entries.append(weakref.ref(entry))
         if key is not None:
             self._remember(key, entry)
+        entry.pending += 1
+        if rec is not None:
+            move = self._move(KEEP, t, rec, entry.site, row, entry.reason)
+            move.raw = row.raw_bytes - before[0]
+            move.stored = row.stored_bytes - before[1]
+            move.held = row.held_bytes - before[2]
+            rec.note(move, entry)
+        return Saved(entry)
+
+    def _move(
+        self,
+        kind: str,
+        t: torch.Tensor,
+        rec: Recorder,
+        site: Site | None = None,
+        row: Row | None = None,
+        reason: str = "",
+    ) -> Move:
+        """The recorded form of a save the full path just decided (see :mod:`.replay`)."""
+        frames = self._tls.frames
+        frame = frames[-1] if frames else None
+        return Move(
+            kind,
+            weakref.ref(frame.owner) if frame is not None else None,
+            frame.call if frame is not None else 0,
+            t.shape,
+            t.dtype,
+            t.device,
+            t.requires_grad,
+            rec.alias(t),
+            site,
+            row,
+            site.op if site is not None else "",
+            reason,
+        )
+
+    def _note_shared(
+        self,
+        rec: Recorder,
+        t: torch.Tensor,
+        site: Site,
+        row: Row,
+        hit: Entry,
+        reshape: tuple[int, ...] | None,
+    ) -> None:
+        """Record a second save of an entry this forward stored as is (any other: refused)."""
+        position = next((i for i, e in enumerate(rec.entries) if e is hit), -1)
+        if position < 0 or hit.compressor is not None or rec.moves[position].kind != KEEP:
+            rec.refuse()
+            return
+        move = self._move(SHARED, t, rec, None, row)  # the site holds the call's arguments
+        move.op, move.shares, move.reshape = site.op, position, reshape
+        rec.note(move, None)
+
+    def _missed(self, tls: ThreadState) -> None:
+        """A replayed save missed its guard: the saves before it are counted as the trace
+        says, it and the rest of the forward are kept as they are, and the next forward
+        records again."""
+        trace = tls.replaying
+        assert trace is not None
+        self.replayer.count_prefix(trace, tls.position - 1)
+        self.replayer.miss()
+        tls.replaying = None
+        tls.missed = True
+
+    def _keep_missed(self, t: torch.Tensor) -> Saved:
+        """A save after a guard miss, with no op tracker running: kept as it is, exact, and
+        counted in its module's row."""
+        if self.in_scope is not None and not self.in_scope():
+            return Saved(Entry(t.detach(), None, _OUTSIDE, t._version, None))
+        if is_parameter(t, self._state(), ()):
+            self.tally.param_refs += 1
+            return Saved(Entry(t.detach(), None, _PARAMETER, t._version, None))
+        site = self._site(t)
+        row = self.tally.row(site)
+        row.saved += 1
+        row.ops["?"] += 1
+        entry = self._store(t, site, row, None, MISSED_REASON)
+        self._count(t, entry, row)
+        graph = self._tls.graph
+        if graph is not None:
+            entry.graph = graph
+            graph.entries.append(weakref.ref(entry))
         entry.pending += 1
         return Saved(entry)
 

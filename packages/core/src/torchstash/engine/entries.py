@@ -67,7 +67,7 @@ class Entry:
         self.site = site if site.opcall is NO_CALL else dataclasses.replace(site, opcall=NO_CALL)
         self.version = version
         self.source: Callable[[], torch.Tensor | None] = (
-            weakref.ref(source) if source is not None else lambda: None
+            weakref.ref(source) if source is not None else _gone
         )
         #: the forward pass that stored it (None when shared with another pass)
         self.graph: Graph | None = None
@@ -86,6 +86,25 @@ class Entry:
         #: :func:`torchstash.layout.with_layout`); None when kept as is or not dense
         self.strides: tuple[int, ...] | None = None
 
+    @classmethod
+    def kept(cls, value: torch.Tensor, site: Site, version: int) -> Entry:
+        """An entry holding ``value`` as it is, for a site kept without its call: the
+        replayed path's (:mod:`.replay`), which builds one per save and shares none."""
+        entry = cls.__new__(cls)
+        entry.value = value
+        entry.compressor = None
+        entry.variant = ""
+        entry.site = site
+        entry.version = version
+        entry.source = _gone
+        entry.graph = None
+        entry.watch = None
+        entry.pending = 0
+        entry.cache = None
+        entry.reason = ""
+        entry.strides = None
+        return entry
+
     def modified(self) -> int | None:
         """The saved tensor's version now, when an in-place op changed it since the save."""
         value = self.value
@@ -93,6 +112,10 @@ class Entry:
         if watch is None or watch._version == self.version:
             return None
         return watch._version
+
+
+def _gone() -> None:
+    return None
 
 
 #: What a released entry holds: its backward failed, and its memory went back.
@@ -127,7 +150,7 @@ class Graph:
             count += 1
             entry.value = RELEASED
             entry.cache = None
-            entry.source = lambda: None  # never shared again
+            entry.source = _gone  # never shared again
         self.entries.clear()
         return count, nbytes
 

@@ -22,11 +22,13 @@ from ..optrack import STATE as OP_STATE
 from ..optrack import OpTracker, role_of, wait_for, watching
 from ..packed import storage_base
 from ..site import NO_CALL, OpCall, Site
-from .entries import Graph
+from .entries import Entry, Graph
+from .replay import Recorder, Replayer, Trace
 
 if TYPE_CHECKING:
     from .entries import Saved
     from .recompute import Derivation
+    from .tally import Tally
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,20 @@ class ThreadState(threading.local):
         self.graph: Graph | None = None  # the forward pass now storing
         #: the derive op call whose saves are being collected
         self.deriving: Derivation | None = None
+        #: the forward being recorded (:mod:`.replay`), or None
+        self.recorder: Recorder | None = None
+        #: the trace this forward replays, or None; where it is at; the storages its saves
+        #: met (address -> first position); its entries by position; the dedupe keys of
+        #: those a later save shares
+        self.replaying: Trace | None = None
+        self.position = 0
+        self.bases: dict[int, int] = {}
+        self.entries: list[Entry | None] = []
+        self.keys: dict[int, tuple[Any, ...]] = {}
+        #: a replayed save missed its guard: the rest of this forward is kept as is
+        self.missed = False
+        #: parameters' and buffers' addresses (None: not read yet this forward)
+        self.skip: set[int] | None = None
 
 
 class Scoping:
@@ -80,6 +96,8 @@ class Scoping:
     _skip: set[int]
     _skip_ptrs: Callable[[], set[int]] | None
     dedupe: bool
+    replayer: Replayer
+    tally: Tally
 
     if TYPE_CHECKING:
 
@@ -99,27 +117,70 @@ class Scoping:
             yield
 
     def _activation(self) -> contextlib.ExitStack:
-        """Enter the hooks and the op tracker; the returned stack exits them."""
+        """Enter the hooks and the op tracker; the returned stack exits them. An outermost
+        activation either records (the full path, op tracker on) or replays a recorded
+        trace (hooks only: :mod:`.replay`)."""
         stack = contextlib.ExitStack()
         tls = self._tls
-        if tls.active == 0:
+        outermost = tls.active == 0
+        if outermost:
             tls.calls.clear()
             tls.op_counts.clear()
             tls.graph = Graph()
-            self._skip = self._skip_ptrs() if self._skip_ptrs else set()
-        if tls.active == 0 and self.dedupe:
+            tls.missed = False
+            trace = self.replayer.trace
+            if trace is not None and trace.generation != self.tally.generation:
+                trace = self.replayer.rebind(trace)
+            tls.replaying = trace
+            tls.recorder = None if trace is not None else Recorder()
+            if trace is not None:
+                tls.position = 0
+                tls.bases = {}
+                tls.entries = []
+                tls.keys = {}
+            # a model's parameters and buffers: read now for the full path, when first
+            # needed for a replayed one; a stash block's modules add theirs as they run
+            if self._skip_ptrs is None:
+                self._skip = set()
+            elif trace is None:
+                self._skip = self._skip_ptrs()
+            tls.skip = None if self._skip_ptrs is not None and trace is not None else self._skip
+        replaying = tls.replaying is not None
+        if outermost and self.dedupe and not replaying:
             stack.enter_context(watching(CARRY_OPS, self._carry_recipe))
         tls.active += 1
         stack.callback(self._deactivate)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
-        if OP_STATE.depth == 0:
+        if OP_STATE.depth == 0 and not replaying:
             stack.enter_context(OpTracker())
             OP_STATE.depth += 1
             stack.callback(leave_tracker)
         return stack
 
     def _deactivate(self) -> None:
-        self._tls.active -= 1
+        tls = self._tls
+        tls.active -= 1
+        if tls.active:
+            return
+        if tls.replaying is not None:
+            self.replayer.finish_replay(tls)
+            tls.replaying = None
+            tls.entries = []
+            tls.keys = {}
+            tls.bases = {}
+        elif tls.recorder is not None:
+            recorder, tls.recorder = tls.recorder, None
+            if not tls.missed:
+                self.replayer.finish_recording(recorder, self.tally.generation)
+
+    def _state(self) -> set[int]:
+        """The parameters' and buffers' addresses, read once a forward (a replayed forward
+        reads them only when a save needs them)."""
+        tls = self._tls
+        if tls.skip is None:
+            self._skip = self._skip_ptrs() if self._skip_ptrs else set()
+            tls.skip = self._skip
+        return tls.skip
 
     def enter_module(self, info: ModuleInfo, owner: object) -> None:
         """Called before a module's forward: activates the engine if this is the outermost call."""

@@ -42,6 +42,8 @@ class Tally:
     def __init__(self) -> None:
         self.rows: dict[str, Row] = {}
         self.param_refs = 0
+        #: bumped by :meth:`reset`: a replayed forward's rows are looked up again
+        self.generation = 0
         self._lock = threading.Lock()
         #: the storages counted in raw_bytes and in stored_bytes, each once while held
         self.raw_storages = StorageLedger()
@@ -81,6 +83,7 @@ class Tally:
         with self._lock:
             self.rows.clear()
             self.param_refs = 0
+            self.generation += 1
 
     def __repr__(self) -> str:
         """One line a person can read: the totals, the ratio, and why tensors were kept."""

@@ -1,0 +1,337 @@
+"""Decide once, then replay (:mod:`torchstash.engine.replay`): what runs on a steady step, and
+that every guard miss records again and stays exact."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchstash
+from torchstash.engine.replay import MAX_MISSES, MISSED_REASON
+from torchstash.errors import CompressionError
+from torchstash.optrack import OpTracker
+
+
+class Tracked:
+    """Counts the torch calls the op tracker sees."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        original = OpTracker.__torch_function__
+
+        def counting(mode, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            return original(mode, func, types, args, kwargs)
+
+        monkeypatch.setattr(OpTracker, "__torch_function__", counting)
+
+    def during(self, step: Callable[[], object]) -> int:
+        before = self.calls
+        step()
+        return self.calls - before
+
+
+class Skipper(nn.Module):
+    """Runs its middle block only on even calls: the saves differ from step to step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(16, 32), nn.GELU())
+        self.b = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+        self.c = nn.Linear(32, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.a(x)
+        if self.calls % 2 == 0:
+            h = self.b(h)
+        return self.c(h)
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)
+    )
+
+
+def pair(build: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    stock = build()
+    return stock, copy.deepcopy(stock)
+
+
+def grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(x).square().sum().backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def same_as_stock(stock: nn.Module, ours: nn.Module, x: torch.Tensor) -> None:
+    for a, b in zip(grads(stock, x), grads(ours, x), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+@pytest.fixture
+def tracked(monkeypatch: pytest.MonkeyPatch) -> Tracked:
+    return Tracked(monkeypatch)
+
+
+def rows(tally: torchstash.Tally) -> dict[str, tuple[object, ...]]:
+    return {
+        k: (
+            r.saved,
+            r.shared,
+            r.raw_bytes,
+            r.stored_bytes,
+            r.held_bytes,
+            dict(r.declined),
+            dict(r.ops),
+        )
+        for k, r in tally.rows.items()
+    }
+
+
+def test_a_steady_model_runs_without_the_op_tracker_after_two_recordings(
+    tracked: Tracked,
+) -> None:
+    stock, model = pair(mlp)
+    x = torch.randn(8, 16)
+    with torchstash.apply(model, "none") as handle:
+        counts = [tracked.during(lambda: grads(model, x)) for _ in range(5)]
+        replayer = handle.engine.replayer
+        assert counts[0] > 0 and counts[1] > 0
+        assert counts[2:] == [0, 0, 0]
+        assert (replayer.recorded, replayer.replayed, replayer.missed) == (2, 3, 0)
+        same_as_stock(stock, model, x)
+
+
+@pytest.mark.parametrize("batch", [8, 300])
+def test_a_replayed_step_counts_what_a_recorded_one_counts(batch: int) -> None:
+    """Every row's counts and bytes, with tensors under and over ``min_bytes``."""
+    _, model = pair(mlp)
+    x = torch.randn(batch, 16)
+    with torchstash.apply(model, "none") as handle:
+        seen = []
+        for _ in range(4):
+            handle.tally.reset()
+            grads(model, x)
+            seen.append((rows(handle.tally), handle.tally.param_refs))
+        assert handle.engine.replayer.replayed == 2
+        assert seen[0] == seen[1] == seen[2] == seen[3]
+
+
+def test_a_save_shared_by_two_ops_is_shared_when_replayed() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            return (h * h).sum(-1) + torch.sin(h).sum(-1)
+
+    stock, model = pair(Twice)
+    x = torch.randn(16, 64)
+    with torchstash.apply(model, "none") as handle:
+        seen = []
+        for _ in range(4):
+            handle.tally.reset()
+            grads(model, x)
+            seen.append(rows(handle.tally))
+        assert handle.engine.replayer.replayed == 2
+        assert seen[0] == seen[3]
+        assert sum(r[1] for r in seen[3].values()) > 0  # h saved by mul twice and by sin
+        same_as_stock(stock, model, x)
+
+
+def test_a_new_shape_misses_records_again_and_stays_exact(tracked: Tracked) -> None:
+    stock, model = pair(mlp)
+    with torchstash.apply(model, "none") as handle:
+        for _ in range(3):
+            same_as_stock(stock, model, torch.randn(8, 16))
+        replayer = handle.engine.replayer
+        assert replayer.replayed >= 1
+        handle.tally.reset()
+        same_as_stock(stock, model, torch.randn(5, 16))  # replayed, misses at the first save
+        assert replayer.missed == 1
+        declined = sum(r.declined[MISSED_REASON] for r in handle.tally.rows.values())
+        assert declined > 0
+        assert tracked.during(lambda: grads(model, torch.randn(5, 16))) > 0  # records again
+        for _ in range(3):
+            same_as_stock(stock, model, torch.randn(5, 16))
+        assert replayer.trace is not None
+
+
+def test_a_model_that_skips_a_block_on_odd_steps_stays_exact() -> None:
+    torch.manual_seed(0)
+    stock = Skipper()
+    model = copy.deepcopy(stock)
+    x = torch.randn(8, 16)
+    with torchstash.apply(model, "none") as handle:
+        for _ in range(12):
+            same_as_stock(stock, model, x)  # both step their call counters alike
+        replayer = handle.engine.replayer
+        assert replayer.missed <= MAX_MISSES
+        assert replayer.replayed == 0  # two recordings in a row never agree
+
+
+def test_train_and_eval_switches_and_no_grad() -> None:
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.5), nn.BatchNorm1d(32), nn.Linear(32, 4))
+    model = copy.deepcopy(stock)
+    x = torch.randn(8, 16)
+    with torchstash.apply(model, "none"):
+        for i in range(8):
+            mode = i % 3 != 2
+            stock.train(mode)
+            model.train(mode)
+            torch.manual_seed(i)
+            a = grads(stock, x)
+            torch.manual_seed(i)
+            b = grads(model, x)
+            for u, v in zip(a, b, strict=True):
+                torch.testing.assert_close(v, u, rtol=0, atol=0)
+            with torch.no_grad():
+                torch.manual_seed(i)
+                want = stock(x)
+                torch.manual_seed(i)
+                torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+
+
+def test_an_in_place_change_after_a_replayed_save_is_an_error() -> None:
+    class Changes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+            self.change = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            y = torch.sin(h)
+            if self.change:
+                with torch.no_grad():
+                    h.add_(1)
+            return y
+
+    _, model = pair(Changes)
+    x = torch.randn(4, 16)
+    with torchstash.apply(model, "none") as handle:
+        for _ in range(3):
+            grads(model, x)
+        assert handle.engine.replayer.replayed == 1
+        model.change = True
+        with pytest.raises(RuntimeError, match="modified"):
+            grads(model, x)
+
+
+def test_nested_stash_inside_a_replaying_model() -> None:
+    stock, model = pair(mlp)
+    x = torch.randn(8, 16)
+    with torchstash.apply(model, "none") as handle:
+        for _ in range(3):
+            grads(model, x)
+        assert handle.engine.replayer.replayed == 1
+        for _ in range(3):
+            with torchstash.stash("none") as block:
+                a = grads(stock, x)
+                b = grads(model, x)
+            for u, v in zip(a, b, strict=True):
+                torch.testing.assert_close(v, u, rtol=0, atol=0)
+        assert block.tally.raw_bytes > 0
+
+
+def test_two_threads_replay_one_trace() -> None:
+    stock, model = pair(mlp)
+    xs = [torch.randn(8, 16) for _ in range(2)]
+    want = [grads(stock, x) for x in xs]
+    errors: list[BaseException] = []
+    with torchstash.apply(model, "none") as handle:
+
+        def run(i: int) -> None:
+            try:
+                for _ in range(20):
+                    out = model(xs[i]).square().sum()
+                    got = torch.autograd.grad(out, list(model.parameters()))
+                    for u, v in zip(want[i], got, strict=True):
+                        torch.testing.assert_close(v, u, rtol=1e-6, atol=1e-7)
+            except BaseException as e:  # pragma: no cover - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert handle.engine.replayer.replayed > 0
+
+
+def test_apply_after_remove_records_afresh(tracked: Tracked) -> None:
+    stock, model = pair(mlp)
+    x = torch.randn(8, 16)
+    for _ in range(2):
+        with torchstash.apply(model, "none") as handle:
+            counts = [tracked.during(lambda: grads(model, x)) for _ in range(3)]
+            assert counts[0] > 0 and counts[2] == 0
+            assert handle.engine.replayer.recorded == 2
+        same_as_stock(stock, model, x)
+
+
+def test_a_compressing_strategy_records_every_step(tracked: Tracked) -> None:
+    """Codes read the op's arguments: a forward that compressed anything is not replayed."""
+    pytest.importorskip("torchstash_quant")
+    _, model = pair(mlp)
+    x = torch.randn(64, 16)
+    with torchstash.apply(model, "quant.int8") as handle:
+        counts = [tracked.during(lambda: grads(model, x)) for _ in range(4)]
+        assert all(c > 0 for c in counts)
+        assert handle.engine.replayer.trace is None
+        assert handle.tally.stored_bytes < handle.tally.raw_bytes
+
+
+def test_a_released_graph_after_a_replayed_forward() -> None:
+    """The fault path (an unpack that fails releases its forward's entries) still finds the
+    replayed entries: they belong to their forward's graph."""
+    _, model = pair(mlp)
+    x = torch.randn(8, 16)
+    with torchstash.apply(model, "none") as handle:
+        for _ in range(3):
+            grads(model, x)
+        loss = model(x).sum()
+        graph = handle.engine._tls.graph
+        assert graph is not None and len(graph.entries) > 0
+        count, nbytes = graph.release()
+        assert count > 0 and nbytes > 0
+        with pytest.raises(CompressionError, match="released"):
+            loss.backward()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_functional_code_in_stash_blocks_stays_exact() -> None:
+    w = torch.randn(32, 32, requires_grad=True)
+    x = torch.randn(16, 32)
+
+    def step() -> torch.Tensor:
+        return F.gelu(x @ w).tanh().sum()
+
+    (want,) = torch.autograd.grad(step(), [w])
+    for _ in range(4):
+        block = torchstash.stash("none")
+        with block:
+            loss = step()
+        (got,) = torch.autograd.grad(loss, [w])
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
