@@ -335,3 +335,24 @@ def test_functional_code_in_stash_blocks_stays_exact() -> None:
             loss = step()
         (got,) = torch.autograd.grad(loss, [w])
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_an_entry_keeps_every_field_of_its_site_but_the_call() -> None:
+    """``without_call`` copies the fields one by one: a field added to ``Site`` is copied
+    too, or this fails."""
+    import dataclasses
+
+    from torchstash.engine.entries import without_call
+    from torchstash.site import NO_CALL, OpCall, Site
+
+    values = {
+        f.name: (f"v{i}" if isinstance(f.default, str) else i + 2)
+        for i, f in enumerate(dataclasses.fields(Site))
+        if f.name not in ("opcall", "training")
+    }
+    site = Site(**values, training=False, opcall=OpCall((1,)))
+    bare = without_call(site)
+    assert bare.opcall is NO_CALL
+    for f in dataclasses.fields(Site):
+        if f.name != "opcall":
+            assert getattr(bare, f.name) == getattr(site, f.name), f.name

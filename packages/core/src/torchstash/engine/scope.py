@@ -54,7 +54,7 @@ def recomputing() -> bool:
     return top(False) is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class Frame:
     info: ModuleInfo
     call: int
@@ -192,14 +192,17 @@ class Scoping:
         exit_stack = None if tls.active else self._activation()
         if exit_stack is not None:
             exit_stack.__enter__()
-        key = id(owner)
-        call = tls.calls[key]
-        tls.calls[key] += 1
-        tls.frames.append(Frame(info, call, owner, exit=exit_stack))
+        calls, key = tls.calls, id(owner)
+        call = calls.get(key, 0)
+        calls[key] = call + 1
+        tls.frames.append(Frame(info, call, owner, exit_stack))
 
     def exit_module(self, owner: object) -> None:
         """Called after a module's forward (also when it raised): pops its frame and above."""
         frames = self._tls.frames
+        if frames and frames[-1].owner is owner and frames[-1].exit is None:
+            frames.pop()  # the usual case: the innermost frame, not the outermost
+            return
         for i in range(len(frames) - 1, -1, -1):
             if frames[i].owner is owner:
                 popped = frames[i:]
