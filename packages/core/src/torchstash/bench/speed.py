@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from .common import default_device, fmt, jsonable, num_threads, split_names
 from .compare import CHECKPOINT, Attached, HeldCounter, Method, methods
+from .zoo import ZooEntry, zoo
 
 #: what the table measures by default: nothing compressed, the rewrites, the codes, and the
 #: per-block checkpointing every strategy must beat
@@ -160,6 +161,19 @@ MODELS = (
     SpeedModel("cnn-small", SmallCNN, _classes((8, 3, 32, 32), 10), 60),
     SpeedModel("gpt-sdpa", SpeedGPT, _tokens, 30),
 )
+
+
+def zoo_models(scale: str) -> tuple[SpeedModel, ...]:
+    """The bench zoo's models (``zoo-gpt``, ``zoo-vit``, ``zoo-resnet``) at ``scale``: where
+    the README's other tables were measured."""
+    out = []
+    for z in zoo(scale):
+
+        def batch(device: torch.device, z: ZooEntry = z) -> tuple[Tensor, Tensor]:
+            return z.batch(z.batch_size, device)
+
+        out.append(SpeedModel(f"zoo-{z.name}", z.build, batch, 40))
+    return tuple(out)
 
 
 def _sync(device: torch.device) -> None:
@@ -305,7 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Step time of each strategy over stock's, and the engine's microseconds "
         "per saved tensor, on three models (methods take turns in one process).",
     )
-    p.add_argument("--models", type=split_names, default=None, help="mlp-host,cnn-small,gpt-sdpa")
+    p.add_argument(
+        "--models",
+        type=split_names,
+        default=None,
+        help="mlp-host,cnn-small,gpt-sdpa (default) and zoo-gpt,zoo-vit,zoo-resnet",
+    )
+    p.add_argument("--scale", default="small", help="the zoo models' scale (default: small)")
     p.add_argument(
         "--strategies",
         type=split_names,
@@ -333,15 +353,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(highlight=False)
     device = torch.device(args.device) if args.device else default_device()
+    everything = MODELS + zoo_models(args.scale)
     chosen = args.models or [m.name for m in MODELS]
-    unknown = set(chosen) - {m.name for m in MODELS}
+    unknown = set(chosen) - {m.name for m in everything}
     if unknown:
         console.print(f"unknown models: {', '.join(sorted(unknown))}")
         return 2
     names = args.strategies or list(DEFAULT_METHODS)
     rows: list[dict[str, Any]] = []
     with num_threads(args.threads):
-        for entry in MODELS:
+        for entry in everything:
             if entry.name not in chosen:
                 continue
             got, profiles = measure_model(
