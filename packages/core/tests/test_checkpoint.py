@@ -57,8 +57,19 @@ def test_checkpoint_none_is_stock_bit_for_bit(reentrant: bool) -> None:
     got, handle = _run(reentrant, "none")
     assert len(got) == len(stock) and all(torch.equal(a, b) for a, b in zip(got, stock))
     assert handle is not None and handle.tally.raw_bytes > 0  # the head, outside the checkpoints
-    if not reentrant:  # the recomputation's saves stay the checkpoint's: only the head's count
-        assert not [r for r in handle.tally.rows if r.startswith("blocks")]
+    # the recomputation's saves stay the checkpoint's (non-reentrant) or stock's (reentrant:
+    # the block's own backward frees them next): only the head's and the inputs' count
+    assert not [r for r in handle.tally.rows if r.startswith("blocks")]
+
+
+def test_a_reentrant_recomputation_is_not_coded() -> None:
+    """A code on the recomputed block's saves would cost a kernel each way and save nothing:
+    they are freed by the block's backward, which runs right after."""
+    pytest.importorskip("torchstash_quant")
+    got, handle = _run(True, "quant.int8")
+    assert handle is not None and all(g.isfinite().all() for g in got)
+    assert not [r for r in handle.tally.rows if r.startswith("blocks")]
+    assert sum(r.compressed for r in handle.tally.rows.values()) > 0  # the head, the inputs
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
