@@ -237,20 +237,17 @@ class Replayer:
             return None
         kind = m.kind
         if kind == SHARED:
-            hit = tls.entries[m.shares]
+            hit = tls.entries.get(m.shares)
             if hit is None or tls.keys[m.shares] != dedupe_key(t):
                 return None
             hit.pending += 1
-            tls.entries.append(None)
             return Saved(hit, m.reshape)
         site = m.site
         assert site is not None
         if kind == PARAM:
             if not _is_state(t, self.state):
                 return None
-            entry = Entry.kept(t.detach(), site, t._version)
-            tls.entries.append(entry)
-            return Saved(entry)
+            return Saved(Entry.kept(t.detach(), site, t._version))
         entry = Entry.kept(t.detach(), site, t._version)
         entry.reason = m.reason
         entry.pending = 1
@@ -258,8 +255,8 @@ class Replayer:
         if graph is not None:
             entry.graph = graph
             graph.entries.append(weakref.ref(entry))
-        tls.entries.append(entry)
-        if m.keyed:
+        if m.keyed:  # a later save shares it
+            tls.entries[i] = entry
             tls.keys[i] = dedupe_key(t)
         return Saved(entry)
 

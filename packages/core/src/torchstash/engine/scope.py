@@ -75,12 +75,12 @@ class ThreadState(threading.local):
         #: the forward being recorded (:mod:`.replay`), or None
         self.recorder: Recorder | None = None
         #: the trace this forward replays, or None; where it is at; the storages its saves
-        #: met (address -> first position); its entries by position; the dedupe keys of
-        #: those a later save shares
+        #: met (address -> first position); by position, the entries a later save shares
+        #: and their dedupe keys
         self.replaying: Trace | None = None
         self.position = 0
         self.bases: dict[int, int] = {}
-        self.entries: list[Entry | None] = []
+        self.entries: dict[int, Entry] = {}
         self.keys: dict[int, tuple[Any, ...]] = {}
         #: a replayed save missed its guard: the rest of this forward is kept as is
         self.missed = False
@@ -135,7 +135,7 @@ class Scoping:
             if trace is not None:
                 tls.position = 0
                 tls.bases = {}
-                tls.entries = []
+                tls.entries = {}
                 tls.keys = {}
             # a model's parameters and buffers: read now for the full path, when first
             # needed for a replayed one; a stash block's modules add theirs as they run
@@ -164,7 +164,7 @@ class Scoping:
         if tls.replaying is not None:
             self.replayer.finish_replay(tls)
             tls.replaying = None
-            tls.entries = []
+            tls.entries = {}
             tls.keys = {}
             tls.bases = {}
         elif tls.recorder is not None:
