@@ -92,7 +92,9 @@ class Engine(Scoping, Recomputation):
             self.tally.param_refs += 1
             state = Entry(t.detach(), None, _PARAMETER, t._version, None)
             if rec is not None:
-                rec.note(self._move(PARAM, t, rec, _PARAMETER), state)
+                move = self._move(PARAM, t, rec, _PARAMETER)
+                move.base = storage_base(t) if t.numel() else -1
+                rec.note(move, state)
             return Saved(state)
         site = self._site(t)
         row = self.tally.row(site)

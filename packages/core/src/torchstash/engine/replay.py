@@ -75,6 +75,8 @@ class Move:
     held: int = 0
     #: a later SHARED move shares this one's entry: its dedupe key is checked
     keyed: bool = False
+    #: a PARAM move's storage address (the same storage is the same parameter or buffer)
+    base: int = -1
 
     def signature(self) -> tuple[Any, ...]:
         owner = self.owner() if self.owner is not None else None
@@ -228,9 +230,10 @@ class Replayer:
             or t.device != m.device
         ):
             return None
-        alias = -1
+        alias = base = -1
         if t.numel():
-            alias = tls.bases.setdefault(storage_base(t), i)
+            base = storage_base(t)
+            alias = tls.bases.setdefault(base, i)
             if alias == i:
                 alias = -1
         if alias != m.alias:
@@ -245,7 +248,7 @@ class Replayer:
         site = m.site
         assert site is not None
         if kind == PARAM:
-            if not _is_state(t, self.state):
+            if base != m.base and not _is_state(t, self.state):
                 return None
             return Saved(Entry.kept(t.detach(), site, t._version))
         entry = Entry.kept(t.detach(), site, t._version)
