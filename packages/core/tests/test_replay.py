@@ -356,3 +356,34 @@ def test_an_entry_keeps_every_field_of_its_site_but_the_call() -> None:
     for f in dataclasses.fields(Site):
         if f.name != "opcall":
             assert getattr(bare, f.name) == getattr(site, f.name), f.name
+
+
+def test_a_buffer_replaced_between_steps_is_still_state() -> None:
+    """A replayed parameter save is guarded by its storage; a buffer swapped for another
+    tensor (``load_state_dict(assign=True)`` does this) is found among the model's buffers."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(64, 64)
+            self.register_buffer("scale", torch.full((64,), 0.5))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sin(self.fc(x) * self.scale)
+
+    stock, model = pair(Scaled)
+    x = torch.randn(16, 64)
+    with torchstash.apply(model, "none") as handle:
+        for _ in range(3):
+            same_as_stock(stock, model, x)
+        model.scale = torch.full((64,), 0.25)
+        stock.scale = torch.full((64,), 0.25)
+        handle.tally.reset()
+        same_as_stock(stock, model, x)
+        replayer = handle.engine.replayer
+        assert (replayer.replayed, replayer.missed) == (2, 0)
+        raw = handle.tally.raw_bytes
+        with torch.no_grad():
+            kept = (x, model.fc(x) * model.scale)  # the linear's input, the sine's
+        assert raw == sum(t.untyped_storage().nbytes() for t in kept)
+        assert handle.tally.param_refs == 2  # the weight and the buffer
