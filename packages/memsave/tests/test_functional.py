@@ -607,12 +607,18 @@ def test_inplace_on_a_view_as_stock(
 
 
 def test_double_backward_refused() -> None:
-    """Stand-ins are not differentiable: create_graph=True must fail loudly, not silently."""
+    """Stand-ins are not differentiable: create_graph=True must fail loudly, not silently.
+    Where the weight trains, stock's op runs (nothing to spare), and so does its double
+    backward."""
     x = torch.randn(2, 3, 6, 6, requires_grad=True)
-    w = nn.Parameter(torch.randn(4, 3, 3, 3))
+    w = nn.Parameter(torch.randn(4, 3, 3, 3), requires_grad=False)
     (gx,) = torch.autograd.grad(MF.conv(x, w).pow(2).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         gx.sum().backward()
+    w.requires_grad_()
+    (gx,) = torch.autograd.grad(MF.conv(x, w).pow(2).sum(), x, create_graph=True)
+    gx.sum().backward()
+    assert w.grad is not None
 
 
 def test_inplace_on_leaf_raises_before_modifying() -> None:

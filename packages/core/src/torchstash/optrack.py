@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _pop_mode_temporarily
+from torch.overrides import _get_current_function_mode as _current_function_mode
 
 from .casts import cast_of
 from .packed import storage_base
@@ -186,6 +187,7 @@ class OpState(threading.local):
         #: autocast as the running call found it (see :func:`autocast_state`)
         self.autocast: AutocastState = ()
         self.depth = 0  # trackers active on this thread
+        self.engines = 0  # engines active on this thread (recording or replaying)
         self.call_id = 0  # increments at every tracked call
         #: (call id, callback) pairs waiting for that call's result; see :func:`on_result`
         self.waiting: list[tuple[int, Callable[[Any], None]]] = []
@@ -304,8 +306,23 @@ def as_op(
 
 
 def engine_active() -> bool:
-    """True while a torchstash engine records saves on this thread (its tracker is on)."""
-    return STATE.depth > 0
+    """True while a torchstash engine takes the saves on this thread: recording them (its
+    tracker on) or replaying a recorded forward (no tracker)."""
+    return STATE.engines > 0
+
+
+_UNTOUCHED = contextlib.nullcontext()
+
+
+def untracked() -> contextlib.AbstractContextManager[Any]:
+    """The op tracker off the mode stack for the block, where it is the innermost mode: for a
+    plug-in's ``autograd.Function`` call, named with :func:`as_op`. A stock op passes through
+    the tracker once and runs its body with the mode popped; a Function's forward and the
+    pack hooks it triggers would otherwise send each tensor method they call (``numel``,
+    ``stride``...) through the tracker's Python handler, a microsecond each for nothing."""
+    if STATE.depth and isinstance(_current_function_mode(), OpTracker):
+        return _pop_mode_temporarily()
+    return _UNTOUCHED
 
 
 def op_argument(name: str, position: int, default: Any = None) -> Any:

@@ -6,10 +6,14 @@ every constructor argument, ``state_dict`` keys), so nothing is copied and nothi
 while it is applied; the layer reads its attributes at every forward, as the torch layer does.
 A subclass of a torch layer gets its own memory-saving subclass, unless it overrides the method
 memsave replaces (then it is left as it is, with the reason recorded).
+
+A conv or norm layer whose Function would keep all stock keeps this call (its weight trains)
+runs the torch layer's own method: the same saves, at stock's cost (see ``*_spares_nothing``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -17,9 +21,23 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from torchstash import as_op
+from torchstash import as_op, engine_active
 
 from . import functional as MF
+from .functional.conv import conv_spares_nothing
+from .functional.norm import (
+    batch_norm_spares_nothing,
+    group_norm_spares_nothing,
+    layer_norm_spares_nothing,
+)
+
+_UNNAMED = contextlib.nullcontext()
+
+
+def _as_op(op: str, args: tuple[Any, ...]) -> contextlib.AbstractContextManager[Any]:
+    """``as_op``, which names the layer's op for what its Function saves under the engine (a
+    stock op's site); with no engine running, nothing to name."""
+    return as_op(op, args) if engine_active() else _UNNAMED
 
 
 class MemSave:
@@ -54,7 +72,9 @@ class _ConvMixin(MemSave):
         self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         m: Any = self
-        with as_op("conv", (input, weight, bias)):
+        if conv_spares_nothing(input, weight, m.padding_mode):
+            return m.base._conv_forward(m, input, weight, bias)
+        with _as_op("conv", (input, weight, bias)):
             return MF.conv(
                 input,
                 weight,
@@ -72,6 +92,8 @@ class _ConvTransposeMixin(MemSave):
 
     def forward(self, input: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
         m: Any = self
+        if conv_spares_nothing(input, m.weight, m.padding_mode):
+            return m.base.forward(m, input, output_size)
         if m.padding_mode != "zeros":
             raise ValueError(
                 f"Only 'zeros' padding mode is supported for {m.base.__name__}"  # as torch says
@@ -80,7 +102,7 @@ class _ConvTransposeMixin(MemSave):
         output_padding = m._output_padding(
             input, output_size, m.stride, m.padding, m.kernel_size, nd, m.dilation
         )
-        with as_op("conv", (input, m.weight, m.bias)):
+        with _as_op("conv", (input, m.weight, m.bias)):
             return MF.conv(
                 input,
                 m.weight,
@@ -104,8 +126,11 @@ class _BatchNormMixin(MemSave):
         m: Any = self
         if isinstance(m, nn.SyncBatchNorm) and m.training and _distributed():
             return nn.SyncBatchNorm.forward(m, input)  # the synchronised path stays stock's
+        bn_training = m.training or (m.running_mean is None and m.running_var is None)
+        if batch_norm_spares_nothing(input, m.weight, bn_training):
+            return m.base.forward(m, input)
         m._check_input_dim(input)
-        with as_op("batch_norm", (input, m.running_mean, m.running_var, m.weight, m.bias)):
+        with _as_op("batch_norm", (input, m.running_mean, m.running_var, m.weight, m.bias)):
             return MF.module_batch_norm(
                 input,
                 weight=m.weight,
@@ -131,7 +156,9 @@ class _LayerNormMixin(MemSave):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         m: Any = self
-        with as_op("layer_norm", (input, m.weight, m.bias)):
+        if layer_norm_spares_nothing(input, m.weight, m.bias):
+            return m.base.forward(m, input)
+        with _as_op("layer_norm", (input, m.weight, m.bias)):
             return MF.layer_norm(input, m.normalized_shape, m.weight, m.bias, m.eps)
 
 
@@ -140,7 +167,9 @@ class _GroupNormMixin(MemSave):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         m: Any = self
-        with as_op("group_norm", (input, m.weight, m.bias)):
+        if group_norm_spares_nothing(input):
+            return m.base.forward(m, input)
+        with _as_op("group_norm", (input, m.weight, m.bias)):
             return MF.group_norm(input, m.num_groups, m.weight, m.bias, m.eps)
 
 
@@ -149,7 +178,7 @@ class _RMSNormMixin(MemSave):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         m: Any = self
-        with as_op("rms_norm", (input, m.weight)):
+        with _as_op("rms_norm", (input, m.weight)):
             return MF.rms_norm(input, m.normalized_shape, m.weight, m.eps)
 
 
@@ -160,7 +189,7 @@ class _ReLUMixin(MemSave):
     family = "relu"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        with as_op("relu", (input,)):
+        with _as_op("relu", (input,)):
             return MF.relu(input, inplace=self.inplace)  # type: ignore[attr-defined]
 
 
@@ -169,7 +198,7 @@ class _LeakyReLUMixin(MemSave):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         m: Any = self
-        with as_op("leaky_relu", (input,)):
+        with _as_op("leaky_relu", (input,)):
             return MF.leaky_relu(input, m.negative_slope, m.inplace)
 
 
@@ -178,7 +207,7 @@ class _HardtanhMixin(MemSave):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         m: Any = self
-        with as_op("hardtanh", (input,)):
+        with _as_op("hardtanh", (input,)):
             return MF.hardtanh(input, m.min_val, m.max_val, m.inplace)
 
 
@@ -187,7 +216,7 @@ class _DropoutMixin(MemSave):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         m: Any = self
-        with as_op("dropout", (input,)):
+        with _as_op("dropout", (input,)):
             return MF.dropout(input, m.p, m.training, m.inplace)
 
 
@@ -196,7 +225,7 @@ class _AlphaDropoutMixin(MemSave):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         m: Any = self
-        with as_op("alpha_dropout", (input,)):
+        with _as_op("alpha_dropout", (input,)):
             return MF.alpha_dropout(input, m.p, m.training, m.inplace)
 
 
@@ -206,7 +235,7 @@ def _max_pool_mixin(fn: Callable[..., Any]) -> type[MemSave]:
 
         def forward(self, input: torch.Tensor) -> Any:
             m: Any = self
-            with as_op("max_pool", (input,)):
+            with _as_op("max_pool", (input,)):
                 return fn(
                     input,
                     m.kernel_size,
@@ -227,7 +256,7 @@ def _avg_pool_mixin(fn: Callable[..., Any], divisor: bool) -> type[MemSave]:
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             m: Any = self
             extra = (m.divisor_override,) if divisor else ()
-            with as_op("avg_pool", (input,)):
+            with _as_op("avg_pool", (input,)):
                 out: torch.Tensor = fn(
                     input,
                     m.kernel_size,
@@ -247,7 +276,7 @@ def _adaptive_avg_pool_mixin(fn: Callable[..., Any]) -> type[MemSave]:
         family = "avgpool"
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
-            with as_op("avg_pool", (input,)):
+            with _as_op("avg_pool", (input,)):
                 out: torch.Tensor = fn(input, self.output_size)  # type: ignore[attr-defined]
                 return out
 

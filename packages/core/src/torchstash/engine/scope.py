@@ -148,6 +148,7 @@ class Scoping:
         if outermost and self.dedupe and not replaying:
             stack.enter_context(watching(CARRY_OPS, self._carry_recipe))
         tls.active += 1
+        OP_STATE.engines += 1
         stack.callback(self._deactivate)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
         if OP_STATE.depth == 0 and not replaying:
@@ -159,6 +160,7 @@ class Scoping:
     def _deactivate(self) -> None:
         tls = self._tls
         tls.active -= 1
+        OP_STATE.engines -= 1
         if tls.active:
             return
         if tls.replaying is not None:

@@ -3,8 +3,9 @@
 Each function takes the arguments of its ``torch.nn.functional`` namesake (``conv`` and
 ``module_batch_norm`` take the modules' state) and returns stock's outputs and gradients bit
 for bit on CPU. It decides at run time, from which of its inputs require grad, what to keep
-for the backward; where autograd records nothing (``no_grad``, nothing trainable), it calls
-stock PyTorch unchanged. The ``*Function`` classes behind them live in the submodules.
+for the backward; where autograd records nothing (``no_grad``, nothing trainable), or where it
+would keep all stock keeps (a conv or norm whose weight trains), it calls stock PyTorch
+unchanged. The ``*Function`` classes behind them live in the submodules.
 
 Not here because stock saves nothing to spare: Linear (it keeps the input only for the weight
 gradient and the weight only for the input gradient), Embedding (the indices) and feature

@@ -6,7 +6,8 @@ depends on one bit per element. The masks follow stock's backward exactly, NaN i
 (measured on CPU, torch 2.13):
 
 * ReLU: ``threshold_backward(g, out, 0)`` zeroes where ``out <= 0``: keep ``~(out <= 0)``
-  (a NaN keeps its gradient);
+  (a NaN keeps its gradient), which for an output never below zero is ``out != 0``: found
+  by one cast, ``out.bool()`` (comparisons are some 8x slower on CPU);
 * LeakyReLU: ``leaky_relu_backward`` is ``x > 0 ? g : g * slope``: keep ``x > 0`` (NaN gets
   ``g * slope``);
 * Hardtanh/ReLU6: ``hardtanh_backward`` keeps the gradient strictly inside the bounds
@@ -17,7 +18,9 @@ depends on one bit per element. The masks follow stock's backward exactly, NaN i
   second 1-bit mask, only when the input has any.
 
 The bits are packed with :func:`torchstash.kernels.pack_mask` in memory order, so a
-channels_last mask unpacks channels_last and the gradient has stock's strides.
+channels_last mask unpacks channels_last and the gradient has stock's strides. The backward
+kernel reads the mask cast to the gradient's dtype (through uint8: a bool cast is slow) and
+writes its result over it (:func:`_into`).
 """
 
 from __future__ import annotations
@@ -30,9 +33,12 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from torchstash import as_op, engine_active
+from torchstash.packed import Packed
 from torchstash.signs import SignBits
+from torchstash.site import Site
 
-from ._standin import check_inplace, needs_graph, pack_keep_mask, unpack_keep_mask
+from ._standin import as_uint8, check_inplace, needs_graph, pack_keep_mask, unpack_keep_mask
+from ._tracker import apply, untracked
 
 __all__ = [
     "MaskedActivationFunction",
@@ -107,7 +113,7 @@ class MaskedActivationFunction(torch.autograd.Function):
         if kind == "relu":
             out = torch.relu_(x) if inplace else torch.relu(x)
             if need:
-                keep = ~(out <= 0)
+                keep = out.bool()  # out >= 0 or NaN: nonzero is ~(out <= 0)
         elif kind == "leaky_relu":
             if need:
                 keep = x > 0
@@ -137,52 +143,67 @@ class MaskedActivationFunction(torch.autograd.Function):
         shape, inverse, kind, a, b = ctx.meta
         keep = unpack_keep_mask(bits, shape, inverse)
         if kind == "relu":
-            gx = aten.threshold_backward(grad, keep.to(grad.dtype), 0)
+            gx = _into(aten.threshold_backward, grad, as_uint8(keep).to(grad.dtype), 0)
         elif kind == "leaky_relu":
-            gx = aten.leaky_relu_backward(grad, keep.to(grad.dtype), a, False)
+            gx = _into(aten.leaky_relu_backward, grad, as_uint8(keep).to(grad.dtype), a, False)
         else:
             nan = None if nan_bits is None else unpack_keep_mask(nan_bits, shape, inverse)
             values = _hardtanh_values(keep, nan, a, grad)
-            gx = aten.hardtanh_backward(grad, values, a, b)
+            gx = _into(aten.hardtanh_backward, grad, values, a, b)
         return gx, None, None, None, None
+
+
+def _into(op: Any, grad: torch.Tensor, values: torch.Tensor, *args: Any) -> torch.Tensor:
+    """``op(grad, values, *args)`` written over ``values``, a temporary of this backward, where
+    it is laid out as ``grad`` is (then so is the result stock's kernel would allocate): one
+    full-size buffer per backward, as stock's, not two (a fresh CPU buffer of this size costs
+    page faults). Each element of the result reads only the same element of ``values``."""
+    if values.shape == grad.shape and values.stride() == grad.stride():
+        out: torch.Tensor = op.grad_input(grad, values, *args, grad_input=values)
+        return out
+    result: torch.Tensor = op(grad, values, *args)
+    return result
 
 
 def _apply(x: torch.Tensor, kind: str, a: float, b: float, inplace: bool) -> torch.Tensor:
     if inplace:
         check_inplace(x)
-    out: torch.Tensor = MaskedActivationFunction.apply(x, kind, a, b, inplace)
+    out: torch.Tensor = apply(MaskedActivationFunction, x, kind, a, b, inplace)
     return out
+
+
+class ReLUMask(SignBits):
+    """The core's sign code (:class:`torchstash.signs.SignBits`: the same bits, the same
+    record, the same 1.0/0.0 restored) for what only a ReLU's output is given: values never
+    below zero, where "above zero or NaN" is "nonzero". One cast finds the bits
+    (``x.bool()``; the general code compares and negates, some 8x the time on CPU), and the
+    restore casts through uint8 (a bool-to-float cast is as slow)."""
+
+    def compress(self, x: torch.Tensor, site: Site) -> Packed:
+        bits, order = pack_keep_mask(x.bool())
+        packed = Packed.like(x, self.name, bits=bits)
+        packed.meta["order"] = order
+        return packed
+
+    def decompress(self, packed: Packed) -> torch.Tensor:
+        bits, order = packed.tensors["bits"], packed.meta.get("order")
+        assert isinstance(bits, torch.Tensor) and (order is None or isinstance(order, tuple))
+        keep = unpack_keep_mask(bits, tuple(packed.shape), order)
+        return as_uint8(keep).to(packed.dtype)
 
 
 #: The engine's code for a ReLU output: 1 bit per element, decoded as 1.0 (kept) or 0.0.
 #:
-#: Under torchstash's engine the ReLU saves its float output as op ``memsave.relu``, whose
-#: default code this is (registered by the plug-in, overridable by a policy rule naming that
-#: op), instead of packing the bits itself: when the next layer saves the same tensor as it
-#: is (a conv whose weight trains), the engine drops the code and both read that one tensor,
-#: so the ReLU costs nothing beside it and never more than stock. It is the core's shared
-#: sign codec (:class:`torchstash.signs.SignBits`), the same quant's op-aware codes use.
-RELU_MASK = SignBits("memsave.relu_mask")
+#: Under torchstash's engine the ReLU is stock's op, whose saved float output is named op
+#: ``memsave.relu``, whose default code this is (registered by the plug-in, overridable by a
+#: policy rule naming that op), instead of packing the bits itself: when the next layer saves
+#: the same tensor as it is (a conv whose weight trains), the engine drops the code and both
+#: read that one tensor, so the ReLU costs nothing beside it and never more than stock. Stock's
+#: backward reads the restored 1.0/0.0 as it would the output. It is the core's shared sign
+#: codec, the same quant's op-aware codes use, found faster (:class:`ReLUMask`).
+RELU_MASK = ReLUMask("memsave.relu_mask")
 #: the name memsave's ReLU gives its saves under the engine; its default code is ``RELU_MASK``
 RELU_OP = "memsave.relu"
-
-
-class EngineCodedReLUFunction(torch.autograd.Function):
-    """ReLU that saves its float output for torchstash's engine to code (:data:`RELU_MASK`)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, inplace: bool) -> torch.Tensor:
-        out = torch.relu_(x) if inplace else torch.relu(x)
-        if inplace:
-            ctx.mark_dirty(x)
-        ctx.save_for_backward(out if ctx.needs_input_grad[0] else None)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
-        (t,) = ctx.saved_tensors
-        return aten.threshold_backward(grad, t, 0), None
 
 
 def relu(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
@@ -194,11 +215,10 @@ def relu(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     if not needs_graph(input):
         return F.relu(input, inplace)
     if engine_active():
-        if inplace:
-            check_inplace(input)
-        with as_op("relu", (input,), func=RELU_OP):
-            out: torch.Tensor = EngineCodedReLUFunction.apply(input, inplace)
-        return out
+        # stock's op, whose saved output the engine codes as op memsave.relu (RELU_MASK); the
+        # tracker off, which would name the save as a stock ReLU's
+        with as_op("relu", (input,), func=RELU_OP), untracked():
+            return F.relu(input, inplace)
     return _apply(input, "relu", 0.0, 0.0, inplace)
 
 

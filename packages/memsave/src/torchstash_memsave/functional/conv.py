@@ -8,7 +8,9 @@ backward, which reads only its sizes: 2.3x the input, whatever is trainable.
 :class:`ConvFunction` saves the input only if the weight gradient is requested and the weight
 only if the input gradient is (a ``Parameter`` is kept anyway: a reference costs nothing), and
 calls stock's ``aten.convolution_backward`` with layout-faithful stand-ins, so outputs and
-gradients are stock's bit for bit.
+gradients are stock's bit for bit. Where it would keep all stock keeps (the weight trains:
+every conv of a network training its weights), stock's own op runs instead
+(:func:`conv_spares_nothing`): the same saves, without a Python Function's cost per call.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ._standin import Layout, expand, needs_graph, standin
+from ._tracker import apply
 
-__all__ = ["ConvFunction", "PadFunction", "conv"]
+__all__ = ["ConvFunction", "PadFunction", "conv", "conv_spares_nothing"]
 
 aten = torch.ops.aten
 
@@ -50,13 +53,14 @@ class ConvFunction(torch.autograd.Function):
         output_padding: list[int],
         groups: int,
     ) -> torch.Tensor:
-        out = aten.convolution(
+        out = torch.convolution(
             x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
         )
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         keep_w = need_x or isinstance(weight, nn.Parameter)
         ctx.save_for_backward(x if need_w else None, weight if keep_w else None)
-        ctx.layouts = (Layout.of(x), Layout.of(weight))
+        # the layout of what is not kept, for its stand-in
+        ctx.layouts = (None if need_w else Layout.of(x), None if keep_w else Layout.of(weight))
         ctx.bias_sizes = None if bias is None else list(bias.shape)
         ctx.conf = (stride, padding, dilation, transposed, output_padding, groups)
         return out
@@ -68,8 +72,8 @@ class ConvFunction(torch.autograd.Function):
         x_layout, w_layout = ctx.layouts
         # the values of a stand-in are never read for the gradients asked; its strides are
         # (a zero-stride input is copied to full size on CPU and changes channels_last results)
-        x = standin(x_layout) if x is None else x
-        weight = standin(w_layout) if weight is None else weight
+        x = x if x_layout is None else standin(x_layout)
+        weight = weight if w_layout is None else standin(w_layout)
         mask = list(ctx.needs_input_grad[:3])
         gx, gw, gb = aten.convolution_backward(grad, x, weight, ctx.bias_sizes, *ctx.conf, mask)
         return gx, gw, gb, None, None, None, None, None, None
@@ -105,12 +109,14 @@ class PadFunction(torch.autograd.Function):
         return op(grad, standin(ctx.layout, sizes_only=True), ctx.pad), None, None
 
 
-def _batchify(x: torch.Tensor, nd: int, name: str) -> tuple[torch.Tensor, bool]:
+def _batchify(x: torch.Tensor, nd: int, transposed: bool) -> tuple[torch.Tensor, bool]:
     """ATen's ``batchify``: an unbatched input gets a batch dimension of 1."""
-    if x.dim() == nd + 2:
+    dim = x.dim()
+    if dim == nd + 2:
         return x, True
-    if x.dim() == nd + 1:
+    if dim == nd + 1:
         return x.unsqueeze(0), False
+    name = f"conv_transpose{nd}d" if transposed else f"conv{nd}d"
     raise RuntimeError(
         f"Expected {nd + 1}D (unbatched) or {nd + 2}D (batched) input to {name}, "
         f"but got input of size: {list(x.shape)}"
@@ -125,6 +131,17 @@ def _same_padding(kernel: Sequence[int], dilation: Sequence[int]) -> tuple[list[
         left.append(total // 2)
         extra.append(total - 2 * (total // 2))
     return left, extra
+
+
+def conv_spares_nothing(x: torch.Tensor, weight: torch.Tensor, padding_mode: str) -> bool:
+    """Whether :class:`ConvFunction` would keep all stock keeps (the weight trains, so the
+    input is kept, and the weight is kept too), with no padding whose input stock keeps
+    besides: stock's own op then runs, saving the same without a Python Function's cost."""
+    return (
+        padding_mode in ("zeros", "circular")
+        and weight.requires_grad
+        and (x.requires_grad or isinstance(weight, nn.Parameter))
+    )
 
 
 def _stock(
@@ -202,7 +219,7 @@ def conv(
             pad[2 * (nd - 1 - i)] = left[i]
             pad[2 * (nd - 1 - i) + 1] = left[i] + extra[i]
 
-    if not needs_graph(input, weight, bias):
+    if not needs_graph(input, weight, bias) or conv_spares_nothing(input, weight, padding_mode):
         return _stock(
             input,
             weight,
@@ -217,7 +234,6 @@ def conv(
             padding_mode,
         )
 
-    name = f"conv_transpose{nd}d" if transposed else f"conv{nd}d"
     x = input
     if pad is not None:
         # circular padding is a chain of slice copies in stock that saves nothing: kept as is
@@ -226,7 +242,7 @@ def conv(
             if padding_mode == "circular"
             else _pad(x, pad, padding_mode)
         )
-    x, batched = _batchify(x, nd, name)
+    x, batched = _batchify(x, nd, transposed)
     if pad is not None or (amounts is None and not same):  # padded already, or 'valid'
         padding_ = [0] * nd
     elif same:
@@ -242,12 +258,12 @@ def conv(
         assert amounts is not None
         padding_ = amounts
     out_pad = expand(output_padding, nd, "conv: output_padding") if transposed else [0] * nd
-    out: torch.Tensor = ConvFunction.apply(
-        x, weight, bias, stride_, padding_, dilation_, transposed, out_pad, groups
+    out: torch.Tensor = apply(
+        ConvFunction, x, weight, bias, stride_, padding_, dilation_, transposed, out_pad, groups
     )
     return out if batched else out.squeeze(0)
 
 
 def _pad(x: torch.Tensor, pad: list[int], mode: str) -> torch.Tensor:
-    out: torch.Tensor = PadFunction.apply(x, pad, mode)
+    out: torch.Tensor = apply(PadFunction, x, pad, mode)
     return out

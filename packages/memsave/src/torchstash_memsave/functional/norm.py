@@ -11,7 +11,10 @@ What stock keeps that the requested gradients do not read:
 
 The Functions call stock's forward op and stock's backward op, passing the incoming gradient
 as the stand-in for an input that was not saved (same layout: no allocation, same kernel
-path), so outputs, gradients and running statistics are stock's bit for bit.
+path), so outputs, gradients and running statistics are stock's bit for bit. Where a Function
+would keep all stock keeps (every norm of a network training its weights), stock's own op
+runs instead (the ``*_spares_nothing`` checks): the same saves, without a Python Function's
+cost per call.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ._standin import Layout, needs_graph, standin, suggest_memory_format
+from ._tracker import apply
 
 __all__ = [
     "BatchNormFunction",
@@ -33,8 +37,11 @@ __all__ = [
     "LayerNormFunction",
     "RMSNormFunction",
     "batch_norm",
+    "batch_norm_spares_nothing",
     "group_norm",
+    "group_norm_spares_nothing",
     "layer_norm",
+    "layer_norm_spares_nothing",
     "module_batch_norm",
     "rms_norm",
 ]
@@ -70,7 +77,7 @@ class BatchNormFunction(torch.autograd.Function):
         eps: float,
         cudnn_enabled: bool,
     ) -> torch.Tensor:
-        out, save_mean, save_invstd, reserve, impl = aten._batch_norm_impl_index(
+        out, save_mean, save_invstd, reserve, impl = torch._batch_norm_impl_index(
             x, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled
         )
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -94,10 +101,10 @@ class BatchNormFunction(torch.autograd.Function):
             save_invstd if keep_x or not training else None,
             reserve if impl != _NATIVE else None,
         )
-        ctx.meta = (
-            Layout.of(x),
-            _layout_or_none(weight),
-            Layout.of(save_mean),
+        ctx.meta = (  # the layouts of what is not kept, for the stand-ins
+            None if keep_x else Layout.of(x),
+            None if keep_w else _layout_or_none(weight),
+            Layout.of(save_mean) if training and not keep_x else None,
             training,
             eps,
             int(impl),
@@ -109,13 +116,13 @@ class BatchNormFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, running_mean, running_var, save_mean, save_invstd, reserve = ctx.saved_tensors
         x_layout, w_layout, stat_layout, training, eps, impl = ctx.meta
-        if x is None:
+        if x_layout is not None:
             # unread for the gradients asked, but the layout picks the kernel's reduction order
             # (a zero-stride input changes the bias gradient's bits)
             x = standin(x_layout, grad=grad)
-            if training:  # read per channel by the kernel (into an unused product): C values
-                save_mean = save_invstd = standin(stat_layout)
-        if weight is None and w_layout is not None:
+        if stat_layout is not None:  # read per channel by the kernel (into an unused product)
+            save_mean = save_invstd = standin(stat_layout)
+        if w_layout is not None:
             weight = standin(w_layout)
         mask = list(ctx.needs_input_grad[:3])
         if impl == _NATIVE or not training:
@@ -157,6 +164,14 @@ def _verify_batch_size(size: Sequence[int]) -> None:
         )
 
 
+def batch_norm_spares_nothing(x: torch.Tensor, weight: torch.Tensor | None, training: bool) -> bool:
+    """Whether :class:`BatchNormFunction` would keep all stock keeps: the input (read by the
+    weight gradient, and in training by the input gradient too) and the weight."""
+    need_x = x.requires_grad
+    keep_x = (weight is not None and weight.requires_grad) or (training and need_x)
+    return keep_x and (weight is None or need_x or isinstance(weight, nn.Parameter))
+
+
 def batch_norm(
     input: torch.Tensor,
     running_mean: torch.Tensor | None,
@@ -168,11 +183,16 @@ def batch_norm(
     eps: float = 1e-5,
 ) -> torch.Tensor:
     """``F.batch_norm``: keeps the input only where the gradients asked for read it."""
-    if not needs_graph(input, weight, bias) or input.numel() == 0:
+    if (
+        not needs_graph(input, weight, bias)
+        or input.numel() == 0
+        or batch_norm_spares_nothing(input, weight, training)
+    ):
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
     if training:
         _verify_batch_size(input.size())
-    out: torch.Tensor = BatchNormFunction.apply(
+    out: torch.Tensor = apply(
+        BatchNormFunction,
         input,
         weight,
         bias,
@@ -237,7 +257,7 @@ class LayerNormFunction(torch.autograd.Function):
         bias: torch.Tensor | None,
         eps: float,
     ) -> torch.Tensor:
-        out, mean, rstd = aten.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         keep = need_x or need_w
         keep_w = weight is not None and (need_x or isinstance(weight, nn.Parameter))
@@ -247,11 +267,11 @@ class LayerNormFunction(torch.autograd.Function):
             rstd if keep else None,
             weight if keep_w else None,
         )
-        ctx.meta = (
-            Layout.of(x),
-            Layout.of(mean),
+        ctx.meta = (  # the layouts of what is not kept, for the stand-ins
+            None if keep else Layout.of(x),
+            None if keep else Layout.of(mean),
             normalized_shape,
-            _layout_or_none(weight),
+            None if keep_w else _layout_or_none(weight),
             _layout_or_none(bias),
         )
         return out
@@ -261,10 +281,10 @@ class LayerNormFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, mean, rstd, weight = ctx.saved_tensors
         x_layout, stat_layout, normalized_shape, w_layout, b_layout = ctx.meta
-        if x is None:  # bias only: the gradient stands in for the input (no copy, same path)
+        if x_layout is not None:  # bias only: the gradient stands in for the input (no copy)
             x = standin(x_layout, grad=grad)
             mean = rstd = standin(stat_layout)  # one value per row (made contiguous anyway)
-        if weight is None and w_layout is not None:
+        if w_layout is not None:
             weight = standin(w_layout)
         # the bias is passed for its definedness and dtype only (stock passes the parameter)
         bias = None if b_layout is None else standin(b_layout)
@@ -281,6 +301,21 @@ def _as_shape(normalized_shape: int | Sequence[int]) -> list[int]:
     return [int(s) for s in normalized_shape]
 
 
+def layer_norm_spares_nothing(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> bool:
+    """Whether :class:`LayerNormFunction` would keep all stock keeps: the input and statistics
+    (read by the input and weight gradients), the weight, and no bias but a Parameter (stock
+    keeps the bias too, a reference)."""
+    need_x = x.requires_grad
+    need_w = weight is not None and weight.requires_grad
+    return (
+        (need_x or need_w)
+        and (weight is None or need_x or isinstance(weight, nn.Parameter))
+        and (bias is None or isinstance(bias, nn.Parameter))
+    )
+
+
 def layer_norm(
     input: torch.Tensor,
     normalized_shape: int | Sequence[int],
@@ -290,9 +325,9 @@ def layer_norm(
 ) -> torch.Tensor:
     """``F.layer_norm``: saves nothing when only the bias is trainable."""
     shape = _as_shape(normalized_shape)
-    if not needs_graph(input, weight, bias):
+    if not needs_graph(input, weight, bias) or layer_norm_spares_nothing(input, weight, bias):
         return F.layer_norm(input, shape, weight, bias, eps)
-    out: torch.Tensor = LayerNormFunction.apply(input, shape, weight, bias, eps)
+    out: torch.Tensor = apply(LayerNormFunction, input, shape, weight, bias, eps)
     return out
 
 
@@ -313,7 +348,7 @@ class GroupNormFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         n, c = x.shape[0], x.shape[1]
         hxw = math.prod(x.shape[2:])
-        out, mean, rstd = aten.native_group_norm(x, weight, bias, n, c, hxw, num_groups, eps)
+        out, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, hxw, num_groups, eps)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         keep = need_x or need_w
         keep_w = weight is not None and (need_x or isinstance(weight, nn.Parameter))
@@ -323,7 +358,12 @@ class GroupNormFunction(torch.autograd.Function):
             rstd if keep else None,
             weight if keep_w else None,
         )
-        ctx.meta = (Layout.of(x), Layout.of(mean), _layout_or_none(weight), (n, c, hxw, num_groups))
+        ctx.meta = (  # the layouts of what is not kept, for the stand-ins
+            None if keep else Layout.of(x),
+            None if keep else Layout.of(mean),
+            None if keep_w else _layout_or_none(weight),
+            (n, c, hxw, num_groups),
+        )
         cpu = x.device.type == "cpu"
         ctx.memory_format = suggest_memory_format(x) if cpu else torch.contiguous_format
         return out
@@ -352,6 +392,13 @@ class GroupNormFunction(torch.autograd.Function):
         return gx if mask[0] else None, gw, gb, None, None
 
 
+def group_norm_spares_nothing(x: torch.Tensor) -> bool:
+    """Whether :class:`GroupNormFunction` would keep all stock keeps (the input needs a
+    gradient: input, statistics and weight are kept). Where only the weight trains it keeps
+    the same too, but stock's channels_last CPU kernel crashes there (see its backward)."""
+    return x.requires_grad
+
+
 def group_norm(
     input: torch.Tensor,
     num_groups: int,
@@ -360,7 +407,7 @@ def group_norm(
     eps: float = 1e-5,
 ) -> torch.Tensor:
     """``F.group_norm``: saves nothing when only the bias is trainable."""
-    if not needs_graph(input, weight, bias):
+    if not needs_graph(input, weight, bias) or group_norm_spares_nothing(input):
         return F.group_norm(input, num_groups, weight, bias, eps)
     if input.dim() < 2:
         raise RuntimeError(
@@ -387,7 +434,7 @@ def group_norm(
         x = input.contiguous()
     w = None if weight is None else weight.contiguous()
     b = None if bias is None else bias.contiguous()
-    out: torch.Tensor = GroupNormFunction.apply(x, w, b, num_groups, eps)
+    out: torch.Tensor = apply(GroupNormFunction, x, w, b, num_groups, eps)
     return out
 
 
@@ -446,5 +493,5 @@ def rms_norm(
     shape = _as_shape(normalized_shape)
     if not needs_graph(input, weight):
         return F.rms_norm(input, shape, weight, eps)
-    out: torch.Tensor = RMSNormFunction.apply(input, shape, weight, eps)
+    out: torch.Tensor = apply(RMSNormFunction, input, shape, weight, eps)
     return out

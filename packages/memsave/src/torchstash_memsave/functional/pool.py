@@ -24,6 +24,7 @@ from torch.autograd.function import once_differentiable
 from torchstash.windows import decode_positions, encode_positions, window_bits, window_starts
 
 from ._standin import Layout, expand, needs_graph, pack_codes, standin, unpack_codes
+from ._tracker import apply
 
 __all__ = [
     "AdaptiveAvgPoolFunction",
@@ -137,8 +138,8 @@ def _max_pool(
     stride_ = _stride(stride, kernel, nd)
     padding_ = expand(padding, nd, "padding")
     dilation_ = expand(dilation, nd, "dilation")
-    out: tuple[torch.Tensor, torch.Tensor] = MaxPoolFunction.apply(
-        x, kernel, stride_, padding_, dilation_, ceil_mode
+    out: tuple[torch.Tensor, torch.Tensor] = apply(
+        MaxPoolFunction, x, kernel, stride_, padding_, dilation_, ceil_mode
     )
     return out
 
@@ -268,7 +269,8 @@ def _avg_pool(
 ) -> torch.Tensor:
     kernel = expand(kernel_size, nd, "kernel_size")
     stride_ = _stride(stride, kernel, nd)
-    out: torch.Tensor = AvgPoolFunction.apply(
+    out: torch.Tensor = apply(
+        AvgPoolFunction,
         x,
         kernel,
         stride_,
@@ -378,7 +380,7 @@ def _output_size(x: torch.Tensor, output_size: OutputSize, nd: int) -> list[int]
 
 
 def _adaptive(x: torch.Tensor, output_size: list[int]) -> torch.Tensor:
-    out: torch.Tensor = AdaptiveAvgPoolFunction.apply(x, output_size)
+    out: torch.Tensor = apply(AdaptiveAvgPoolFunction, x, output_size)
     return out
 
 
