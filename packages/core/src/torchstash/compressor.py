@@ -34,6 +34,9 @@ class Compressor(Protocol):
     ``derivable(x, site) -> bool`` says a code may stand in for the op's output, and
     ``derived(x, site, sources)`` is told of each save kept as a recomputation from the
     entries stored at the ``sources`` sites (a budget then counts it: it costs no bytes).
+    A compressor whose ``compress`` reads nothing of the site's op call and keeps no state
+    per step sets ``replays = True``: the engine may then replay its decision for a save on
+    later steps without the op tracker (:mod:`torchstash.engine.replay`).
     """
 
     name: str
@@ -53,6 +56,9 @@ class BaseCompressor:
     lossless: bool = False
     #: payload keys a following compressor may compress further (None: every float payload)
     composable: tuple[str, ...] | None = None
+    #: its code of a save depends only on the tensor and the site's names, not on the op
+    #: call's arguments or on earlier steps: a recorded decision may be replayed
+    replays: bool = False
 
     def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
         reasons = []

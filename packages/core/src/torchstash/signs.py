@@ -42,6 +42,7 @@ class SignBits(BaseCompressor):
     output): exact for that op's backward, which is why it calls itself lossless."""
 
     lossless = True
+    replays = True  # the bits of the tensor alone
 
     def __init__(self, name: str = "sign") -> None:
         self.name = name

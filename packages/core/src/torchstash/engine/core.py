@@ -27,7 +27,7 @@ from .entries import RELEASED, Entry, Recomputed, Saved, dedupe_key, variant_of
 from .messages import CONSTANT_REASON, FUSED_EXACT_REASON, FUSED_OUTPUT_REASON, KEEP_TYPE
 from .params import is_parameter
 from .recompute import Recomputation, Sources
-from .replay import KEEP, MISSED_REASON, PARAM, SHARED, Move, Recorder, Replayer
+from .replay import CODE, KEEP, MISSED_REASON, PARAM, SHARED, Move, Recorder, Replayer
 from .scope import Scoping, ThreadState
 from .tally import Row, Tally
 
@@ -58,7 +58,7 @@ class Engine(Scoping, Recomputation):
         self.dedupe = dedupe
         self.tally = Tally()
         #: the decisions of a recorded forward, replayed on the next ones (:mod:`.replay`)
-        self.replayer = Replayer(self.tally, self._state)
+        self.replayer = Replayer(self.tally, self._state, self._replay_code)
         self._skip_ptrs = skip_ptrs
         self._skip: set[int] = set()
         self._tls = ThreadState()
@@ -102,8 +102,8 @@ class Engine(Scoping, Recomputation):
         row.ops[site.op or "?"] += 1
         nbytes = raw_nbytes(t)
         compressor, reason = self._choose(t, site, nbytes)
-        if rec is not None and compressor is not None:
-            rec.refuse()  # a code reads the op's arguments: recorded on every forward
+        if rec is not None and compressor is not None and not getattr(compressor, "replays", False):
+            rec.refuse()  # a code that reads the op's arguments: recorded on every forward
             rec = None
         variant = variant_of(compressor, t, site)
         key = None
@@ -116,7 +116,10 @@ class Engine(Scoping, Recomputation):
             # A tensor another op already holds as is is shared as is: a compressed copy
             # beside it would only add memory (a ReLU's output that a conv also saves).
             if hit is not None and hit.source() is not None and compressor is None:
-                self._store_as_is(hit, t)  # another op needs it as is: one raw copy, shared
+                if rec is not None:
+                    self._note_as_is(rec, hit, t)
+                else:
+                    self._store_as_is(hit, t)  # another op needs it as is: one raw copy
             if (
                 hit is not None
                 and hit.source() is not None
@@ -155,7 +158,14 @@ class Engine(Scoping, Recomputation):
             self._remember(key, entry)
         entry.pending += 1
         if rec is not None:
-            move = self._move(KEEP, t, rec, entry.site, row, entry.reason)
+            coded = isinstance(entry.value, Packed)
+            if not coded and not isinstance(entry.value, torch.Tensor):
+                rec.refuse()  # recomputed: its recipe reads the op's arguments
+                return Saved(entry)
+            move = self._move(CODE if coded else KEEP, t, rec, entry.site, row, entry.reason)
+            if coded:
+                move.compressor, move.variant = entry.compressor, variant
+                move.node = type(t.grad_fn)
             move.raw = row.raw_bytes - before[0]
             move.stored = row.stored_bytes - before[1]
             move.held = row.held_bytes - before[2]
@@ -199,13 +209,46 @@ class Engine(Scoping, Recomputation):
         reshape: tuple[int, ...] | None,
     ) -> None:
         """Record a second save of an entry this forward stored as is (any other: refused)."""
-        position = next((i for i, e in enumerate(rec.entries) if e is hit), -1)
-        if position < 0 or hit.compressor is not None or rec.moves[position].kind != KEEP:
+        position = rec.position(hit)
+        if position < 0 or hit.compressor is not None or rec.moves[position].kind == SHARED:
             rec.refuse()
             return
         move = self._move(SHARED, t, rec, None, row)  # the site holds the call's arguments
         move.op, move.shares, move.reshape = site.op, position, reshape
         rec.note(move, None)
+
+    def _note_as_is(self, rec: Recorder, hit: Entry, t: torch.Tensor) -> None:
+        """:meth:`_store_as_is` while recording: the move that stored ``hit`` counts what its
+        row holds now (a forward that leaves its trace part way counts moves one by one)."""
+        row = self.tally.row(hit.site)
+        before = (row.raw_bytes, row.stored_bytes, row.held_bytes)
+        self._store_as_is(hit, t)
+        position = rec.position(hit)
+        if position < 0:
+            return
+        move = rec.moves[position]
+        move.raw += row.raw_bytes - before[0]
+        move.stored += row.stored_bytes - before[1]
+        move.held += row.held_bytes - before[2]
+
+    def _replay_code(self, t: torch.Tensor, move: Move) -> Packed | None:
+        """A replayed CODE move: ``t`` coded by its compressor at its site, or None when the
+        compressor declined it this time (a guard miss)."""
+        compressor, site = move.compressor, move.site
+        assert compressor is not None and site is not None
+        out = self._compress(compressor, t, site)
+        return out if isinstance(out, Packed) else None
+
+    def _compress(self, compressor: Compressor, t: torch.Tensor, site: Site) -> Any:
+        """``compressor.compress``, its failure an error that names the tensor, the site and
+        the policy line."""
+        try:
+            return compressor.compress(t.detach(), site)
+        except KEEP_TYPE as e:
+            e.add_note(messages.compress_note(self.resolve, compressor, site, t))
+            raise
+        except Exception as e:
+            raise messages.compress_error(self.resolve, compressor, site, t, e) from e
 
     def _missed(self, tls: ThreadState) -> None:
         """A replayed save missed its guard: the saves before it are counted as the trace
@@ -327,13 +370,7 @@ class Engine(Scoping, Recomputation):
         """Store ``t`` (its bytes are counted by :meth:`_count`)."""
         value: torch.Tensor | Packed = t.detach()
         if compressor is not None:
-            try:
-                out = compressor.compress(t.detach(), site)
-            except KEEP_TYPE as e:
-                e.add_note(messages.compress_note(self.resolve, compressor, site, t))
-                raise
-            except Exception as e:
-                raise messages.compress_error(self.resolve, compressor, site, t, e) from e
+            out = self._compress(compressor, t, site)
             if isinstance(out, Packed):
                 value = out
                 row.compressed += 1

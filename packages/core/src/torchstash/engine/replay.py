@@ -10,12 +10,13 @@ tracker and each save is one guarded lookup (:meth:`Replayer.pack`). A guard mis
 shape, a module not run before, a new storage sharing) keeps that save and the rest of the
 forward exactly as stock PyTorch keeps them, and the next forward records again.
 
-Only decisions that keep tensors as they are replay today: a parameter, a tensor stored as is
-(with the reason, ``min_bytes`` say), and a second save of one of those. A forward that
-compressed or recomputed anything records on every step (its codes read the op's arguments).
-The bytes a replayed step counts are the recording's, for the same saves over the same
-storage sharing within the step (exact in a training loop; a storage held across steps by a
-live graph is counted as the recording counted it).
+What replays: a parameter, a tensor stored as is (with its reason, ``min_bytes`` say), a
+second save of one of those, and a code whose compressor says it ``replays`` (it reads nothing
+of the op call: memsave's ReLU mask, the sign bits). A forward that coded anything else, or
+recomputed anything, records on every step (those codes and recipes read the op's arguments).
+A replayed forward counts in the tally what its recording counted, row by row (exact for the
+same saves over the same storage sharing within the step, as in a training loop; a storage
+held across steps by a live graph is counted as the recording counted it).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..packed import storage_base
+from ..compressor import Compressor
+from ..layout import dense_strides
+from ..packed import Packed, storage_base
 from ..site import Site
 from .entries import Entry, Saved, dedupe_key
 from .params import parameter_copy
@@ -38,7 +41,7 @@ if TYPE_CHECKING:
     from .tally import Tally
 
 #: what a move does with its save
-PARAM, KEEP, SHARED = "param", "keep", "shared"
+PARAM, KEEP, SHARED, CODE = "param", "keep", "shared", "code"
 
 #: guard misses in a row after which an engine stops replaying
 MAX_MISSES = 3
@@ -62,14 +65,22 @@ class Move:
     #: the position of the first save of this forward over the same storage, or -1
     alias: int
     site: Site | None = None
+    #: the row it is counted in (None: a parameter's)
     row: Row | None = None
     op: str = ""
     reason: str = ""
+    #: a CODE move's compressor and variant, and the type of the saved tensor's autograd
+    #: node (for an op's own output, the op's: a code is never replayed onto another op's
+    #: save of the same shape in the same module)
+    compressor: Compressor | None = None
+    variant: str = ""
+    node: type | None = None
     #: a SHARED move's entry: that of the move at this position
     shares: int = -1
     #: a SHARED move's shape when it differs from the shared entry's
     reshape: tuple[int, ...] | None = None
-    #: bytes this save added to its row (stock's, stored, held)
+    #: bytes this save added to its row (stock's, stored, held), for a forward that leaves
+    #: its trace part way (a whole one counts its recording's totals)
     raw: int = 0
     stored: int = 0
     held: int = 0
@@ -92,6 +103,9 @@ class Move:
             self.row.module if self.row is not None else None,
             self.op,
             self.reason,
+            id(self.compressor),
+            self.variant,
+            self.node,
             self.shares,
             self.reshape,
             self.raw,
@@ -100,16 +114,73 @@ class Move:
         )
 
 
+#: the counts of a row a forward adds to (``ops`` and ``declined`` apart)
+COUNTS = (
+    "saved",
+    "shared",
+    "raw_bytes",
+    "stored_bytes",
+    "held_bytes",
+    "host_bytes",
+    "compressed",
+    "derived",
+)
+
+
+def _snapshot(tally: Tally) -> dict[str, tuple[Any, ...]]:
+    return {
+        name: (*(getattr(row, c) for c in COUNTS), dict(row.ops), dict(row.declined))
+        for name, row in tally.rows.items()
+    }
+
+
+@dataclass(slots=True, eq=False)
+class Totals:
+    """What a whole forward adds to one row."""
+
+    module: str
+    module_type: str
+    counts: tuple[int, ...]  # in the order of :data:`COUNTS`
+    ops: dict[str, int]
+    declined: dict[str, int]
+
+    def signature(self) -> tuple[Any, ...]:
+        return (self.module, self.counts, sorted(self.ops.items()), sorted(self.declined.items()))
+
+
+def _diff(before: dict[str, tuple[Any, ...]], tally: Tally) -> list[Totals]:
+    out = []
+    empty = (*(0 for _ in COUNTS), {}, {})
+    for name, row in tally.rows.items():
+        old = before.get(name, empty)
+        counts = tuple(getattr(row, c) - o for c, o in zip(COUNTS, old, strict=False))
+        ops = {k: n - old[-2].get(k, 0) for k, n in row.ops.items() if n != old[-2].get(k, 0)}
+        declined = {
+            k: n - old[-1].get(k, 0) for k, n in row.declined.items() if n != old[-1].get(k, 0)
+        }
+        if any(counts) or ops or declined:
+            out.append(Totals(name, row.module_type, counts, ops, declined))
+    return out
+
+
 @dataclass(slots=True, eq=False)
 class Recorder:
     """The moves of the forward being recorded (one per save, in order)."""
 
+    #: the tally as the forward found it (its rows' counts, its generation, parameters)
+    before: dict[str, tuple[Any, ...]]
+    generation: int
+    param_refs: int
     moves: list[Move] = field(default_factory=list)
     bases: dict[int, int] = field(default_factory=dict)
     #: False once a save was decided in a way that does not replay
     replayable: bool = True
     #: the entry of each move, while recording (to find a SHARED move's target)
     entries: list[Entry | None] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, tally: Tally) -> Recorder:
+        return cls(_snapshot(tally), tally.generation, tally.param_refs)
 
     def alias(self, t: torch.Tensor) -> int:
         """The position of the first save of this forward over ``t``'s storage, or -1."""
@@ -123,8 +194,30 @@ class Recorder:
         self.moves.append(move)
         self.entries.append(entry)
 
+    def position(self, entry: Entry) -> int:
+        """The position of the move that stored ``entry``, or -1."""
+        return next((i for i, e in enumerate(self.entries) if e is entry), -1)
+
     def refuse(self) -> None:
         self.replayable = False
+
+    def settle(self) -> bool:
+        """Bring each move up to what became of its entry later in the forward (a code a
+        later save of the same tensor turned back into the tensor is a KEEP); False when an
+        entry became something a replay cannot make."""
+        for move, entry in zip(self.moves, self.entries, strict=True):
+            if entry is None or move.kind in (PARAM, SHARED):
+                continue
+            value = entry.value
+            if entry.compressor is None and isinstance(value, torch.Tensor):
+                if move.kind == CODE:
+                    move.kind, move.compressor, move.variant = KEEP, None, ""
+                continue
+            if move.kind != CODE or entry.compressor is not move.compressor:
+                return False
+            if not isinstance(value, Packed):
+                return False
+        return True
 
 
 @dataclass(slots=True, eq=False)
@@ -132,25 +225,28 @@ class Trace:
     """Two recorded forwards that agreed: what each save of the next ones gets."""
 
     moves: tuple[Move, ...]
-    #: per row, what a whole replayed forward adds: (saved, shared, raw, stored, held, ops,
-    #: declined, param refs)
-    totals: list[tuple[Row, int, int, int, int, int, dict[str, int], dict[str, int]]]
+    #: per row, what a whole replayed forward adds
+    totals: list[Totals]
     param_refs: int
-    #: the tally's generation its rows belong to
-    generation: int
+
+
+#: ``code(t, move)``: the engine's compress of ``t`` by a CODE move's compressor at its site
+#: (its errors named as the full path names them), or None when it declined
+Coder = Callable[[torch.Tensor, Move], "Packed | None"]
 
 
 class Replayer:
     """The engine's record of decisions and its replay (a part the engine is composed of)."""
 
-    def __init__(self, tally: Tally, state: Callable[[], set[int]]) -> None:
+    def __init__(self, tally: Tally, state: Callable[[], set[int]], code: Coder) -> None:
         self.tally = tally
         #: the parameters' and buffers' addresses (read when a save needs them)
         self.state = state
+        self.code = code
         self.trace: Trace | None = None
         #: False: every forward takes the full path (see :meth:`miss`)
         self.enabled = True
-        self._last: tuple[tuple[Any, ...], ...] | None = None
+        self._last: tuple[Any, ...] | None = None
         #: forwards run through the full path / replayed, since the engine was made
         self.recorded = 0
         self.replayed = 0
@@ -161,33 +257,34 @@ class Replayer:
 
     # -- recording ---------------------------------------------------------------------------
 
-    def finish_recording(self, rec: Recorder, generation: int) -> None:
+    def finish_recording(self, rec: Recorder) -> None:
         """A recorded forward ended: two in a row that agree, and replay well, make the
         trace the next forwards follow."""
         self.recorded += 1
-        if not rec.replayable or not rec.moves or not self.enabled:
+        tally = self.tally
+        if (
+            not rec.replayable
+            or not rec.moves
+            or not self.enabled
+            or tally.generation != rec.generation  # reset mid-forward: no totals to take
+            or not rec.settle()
+        ):
             self._last = None
             return
         for move in rec.moves:
             if move.kind == SHARED:
                 rec.moves[move.shares].keyed = True
-        signature = tuple(m.signature() for m in rec.moves)
+        totals = _diff(rec.before, tally)
+        param_refs = tally.param_refs - rec.param_refs
+        signature = (
+            tuple(m.signature() for m in rec.moves),
+            tuple(t.signature() for t in totals),
+            param_refs,
+        )
         if signature != self._last:
             self._last = signature
             return
-        self.trace = Trace(tuple(rec.moves), *_totals(rec.moves), generation)
-
-    def rebind(self, trace: Trace) -> Trace:
-        """The trace with its rows looked up again in the tally (reset since it was made)."""
-        tally = self.tally
-        for m in trace.moves:
-            if m.row is not None:
-                row = tally.rows.get(m.row.module)
-                if row is None:
-                    row = tally.rows[m.row.module] = Row(m.row.module, m.row.module_type)
-                m.row = row
-        self.trace = Trace(trace.moves, *_totals(list(trace.moves)), tally.generation)
-        return self.trace
+        self.trace = Trace(tuple(rec.moves), totals, param_refs)
 
     def forget(self) -> None:
         """Record again from the next forward (a guard missed, or the engine was told to)."""
@@ -251,8 +348,17 @@ class Replayer:
             if base != m.base and not _is_state(t, self.state):
                 return None
             return Saved(Entry.kept(t.detach(), site, t._version))
-        entry = Entry.kept(t.detach(), site, t._version)
-        entry.reason = m.reason
+        if kind == CODE:
+            if type(t.grad_fn) is not m.node:
+                return None
+            packed = self.code(t, m)
+            if packed is None:
+                return None
+            entry = Entry(packed, m.compressor, site, t._version, None, m.variant, t)
+            entry.strides = dense_strides(t)
+        else:
+            entry = Entry.kept(t.detach(), site, t._version)
+            entry.reason = m.reason
         entry.pending = 1
         graph = tls.graph
         if graph is not None:
@@ -271,18 +377,35 @@ class Replayer:
         done = tls.position
         tally = self.tally
         if done == len(trace.moves):
-            for row, saved, shared, raw, stored, held, ops, declined in trace.totals:
+            rows = tally.rows
+            for totals in trace.totals:
+                row = rows.get(totals.module)
+                if row is None:
+                    row = rows[totals.module] = Row(totals.module, totals.module_type)
+                (
+                    saved,
+                    shared,
+                    raw,
+                    stored,
+                    held,
+                    host,
+                    compressed,
+                    derived,
+                ) = totals.counts
                 row.saved += saved
                 row.shared += shared
                 row.raw_bytes += raw
                 row.stored_bytes += stored
                 row.held_bytes += held
+                row.host_bytes += host
+                row.compressed += compressed
+                row.derived += derived
                 counts = row.ops
-                for op, n in ops.items():
+                for op, n in totals.ops.items():
                     counts[op] += n
-                if declined:
+                if totals.declined:
                     counts = row.declined
-                    for reason, n in declined.items():
+                    for reason, n in totals.declined.items():
                         counts[reason] += n
             tally.param_refs += trace.param_refs
             self.replayed += 1
@@ -299,8 +422,10 @@ class Replayer:
             if m.kind == PARAM:
                 tally.param_refs += 1
                 continue
-            row = m.row
-            assert row is not None
+            assert m.row is not None
+            row = tally.rows.get(m.row.module)
+            if row is None:
+                row = tally.rows[m.row.module] = Row(m.row.module, m.row.module_type)
             row.saved += 1
             row.ops[m.op or "?"] += 1
             if m.kind == SHARED:
@@ -309,6 +434,8 @@ class Replayer:
             row.raw_bytes += m.raw
             row.stored_bytes += m.stored
             row.held_bytes += m.held
+            if m.kind == CODE:
+                row.compressed += 1
             if m.reason:
                 row.declined[m.reason] += 1
 
@@ -324,31 +451,4 @@ def _is_state(t: torch.Tensor, state: Callable[[], set[int]]) -> bool:
     return storage_base(t) in state() or parameter_copy(t, ())
 
 
-def _totals(
-    moves: list[Move],
-) -> tuple[list[tuple[Row, int, int, int, int, int, dict[str, int], dict[str, int]]], int]:
-    """Per row, what one whole forward of ``moves`` adds to the tally."""
-    acc: dict[int, list[Any]] = {}
-    params = 0
-    for m in moves:
-        if m.kind == PARAM:
-            params += 1
-            continue
-        assert m.row is not None
-        a = acc.setdefault(id(m.row), [m.row, 0, 0, 0, 0, 0, {}, {}])
-        a[1] += 1
-        ops: dict[str, int] = a[6]
-        ops[m.op or "?"] = ops.get(m.op or "?", 0) + 1
-        if m.kind == SHARED:
-            a[2] += 1
-            continue
-        a[3] += m.raw
-        a[4] += m.stored
-        a[5] += m.held
-        if m.reason:
-            declined: dict[str, int] = a[7]
-            declined[m.reason] = declined.get(m.reason, 0) + 1
-    return [tuple(a) for a in acc.values()], params
-
-
-__all__ = ["KEEP", "MISSED_REASON", "PARAM", "SHARED", "Move", "Recorder", "Replayer"]
+__all__ = ["CODE", "KEEP", "MISSED_REASON", "PARAM", "SHARED", "Move", "Recorder", "Replayer"]

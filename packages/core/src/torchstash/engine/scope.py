@@ -128,10 +128,8 @@ class Scoping:
             tls.graph = Graph()
             tls.missed = False
             trace = self.replayer.trace
-            if trace is not None and trace.generation != self.tally.generation:
-                trace = self.replayer.rebind(trace)
             tls.replaying = trace
-            tls.recorder = None if trace is not None else Recorder()
+            tls.recorder = None if trace is not None else Recorder.start(self.tally)
             if trace is not None:
                 tls.position = 0
                 tls.bases = {}
@@ -172,7 +170,7 @@ class Scoping:
         elif tls.recorder is not None:
             recorder, tls.recorder = tls.recorder, None
             if not tls.missed:
-                self.replayer.finish_recording(recorder, self.tally.generation)
+                self.replayer.finish_recording(recorder)
 
     def _state(self) -> set[int]:
         """The parameters' and buffers' addresses, read once a forward (a replayed forward
