@@ -6,8 +6,10 @@ Three models none of the tests use, each where a different cost shows: a host-bo
 transformer users train). Every method runs on its own copy of one model; after the warm-up
 steps (``quant.auto`` allocates there) the methods take turns step by step in one process, and
 each gets its median step time over stock's. ``us/saved`` is the step time above stock's
-divided by the tensors stock saves in a step: the engine's work per saved tensor (and, for a
-code, its kernels'). ``saved`` is what a step holds for backward, as a share of stock's.
+divided by the tensors stock saves in a step; ``engine us`` the time a step spends inside
+the engine's hooks (pack, unpack, module entry and exit; a code's kernels included), per saved
+tensor, timed afterwards by wrapping them. ``saved`` is what a step holds for backward, as a
+share of stock's.
 ``--profile`` shows where a strategy's time goes (``cProfile``, by own time).
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
+import functools
 import io
 import itertools
 import json
@@ -254,6 +257,13 @@ def measure_model(
             _sync(device)
             assert run.times is not None
             run.times.append(time.perf_counter() - t0)
+    engine_us: dict[str, float] = {}
+    for run in live:
+        engine = _engine_of(run.attached)
+        if engine is not None:
+            one = functools.partial(step, run)
+            spent = _engine_time(engine, one, max(5, (steps or entry.steps) // 3))
+            engine_us[run.method.name] = spent * 1e6 / n_saves
     profiles: dict[str, str] = {}
     if profile:
         for run in live:
@@ -282,6 +292,7 @@ def measure_model(
                 "step_ms": ms,
                 "ratio": ms / stock_ms if ms is not None else None,
                 "us_per_saved": (ms - stock_ms) * 1e3 / n_saves if ms is not None else None,
+                "engine_us_per_saved": engine_us.get(run.method.name),
                 "saves": n_saves,
                 "held_bytes": run.held,
                 "held_share": run.held / stock.held
@@ -293,13 +304,56 @@ def measure_model(
     return rows, profiles
 
 
+def _engine_of(attached: Attached | None) -> Any:
+    """The torchstash engine a method runs (None for stock and torch's own methods)."""
+    while attached is not None:
+        handle = getattr(attached, "handle", None)
+        if handle is not None:
+            return handle.engine
+        attached = getattr(attached, "stashed", None)
+    return None
+
+
+#: the engine's own work in a step: its hooks' bodies (a code's kernels included)
+ENGINE_HOOKS = ("pack", "unpack", "enter_module", "exit_module")
+
+
+def _engine_time(engine: Any, step: Callable[[], None], steps: int) -> float:
+    """Seconds a step spends inside the engine's hooks (median over ``steps``), timed by
+    wrapping each hook: the engine's work without the cost of calling into Python."""
+    spent = [0.0]
+
+    def timed(f: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return f(*args)
+            finally:
+                spent[0] += time.perf_counter() - t0
+
+        return run
+
+    for name in ENGINE_HOOKS:
+        setattr(engine, name, timed(getattr(engine, name)))
+    try:
+        per_step = []
+        for _ in range(steps):
+            spent[0] = 0.0
+            step()
+            per_step.append(spent[0])
+        return statistics.median(per_step)
+    finally:
+        for name in ENGINE_HOOKS:
+            delattr(engine, name)
+
+
 def speed_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
     table = Table(title=title)
-    for col in ("model", "method", "step ms", "x stock", "us/saved", "saved"):
+    for col in ("model", "method", "step ms", "x stock", "us/saved", "engine us", "saved"):
         table.add_column(col, justify="left" if col in ("model", "method") else "right")
     for r in rows:
         if r["error"]:
-            table.add_row(r["model"], r["method"], "-", "-", "-", escape(r["error"][:60]))
+            table.add_row(r["model"], r["method"], "-", "-", "-", "-", escape(r["error"][:60]))
             continue
         share = r["held_share"]
         table.add_row(
@@ -308,6 +362,7 @@ def speed_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
             fmt(r["step_ms"], ".2f"),
             fmt(r["ratio"], ".2f", "x"),
             "-" if r["method"] == "stock" else fmt(r["us_per_saved"], ".1f"),
+            fmt(r["engine_us_per_saved"], ".1f"),
             "-" if share is None else f"{100 * share:.1f}%",
         )
     return table
@@ -376,7 +431,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(speed_table(rows, f"torchstash speed on {where}: median step, turns taken"))
     console.print(
         "x stock = median step over stock's in this run; us/saved = (step - stock's step) / "
-        "tensors stock saves per step; saved = bytes held for backward, share of stock's."
+        "tensors stock saves per step; engine us = time inside the engine's hooks (its codes' "
+        "kernels included) per saved tensor; saved = bytes held for backward, share of stock's."
     )
     if args.json:
         path = Path(args.json)
