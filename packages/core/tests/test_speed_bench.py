@@ -1,0 +1,39 @@
+"""``python -m torchstash.bench.speed``: its rows and its command line (never its times)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchstash.bench import speed
+
+
+def test_rows_relate_each_method_to_stock() -> None:
+    entry = next(m for m in speed.MODELS if m.name == "mlp-host")
+    rows, profiles = speed.measure_model(
+        entry, ["none", "checkpoint"], torch.device("cpu"), warmup=3, steps=3, profile=2
+    )
+    by = {r["method"]: r for r in rows}
+    assert set(by) == {"stock", "none", "checkpoint"}
+    assert by["stock"]["ratio"] == pytest.approx(1.0)
+    assert by["none"]["saves"] == 197  # 65 linears (input, weight), 64 GELUs, the loss (3)
+    assert by["none"]["held_share"] == pytest.approx(1.0)
+    assert by["none"]["engine_us_per_saved"] > 0  # the engine's hooks ran
+    assert by["checkpoint"]["engine_us_per_saved"] is None  # torch's own method
+    assert by["checkpoint"]["held_share"] < 1.0
+    assert list(profiles) == ["mlp-host none"]
+
+
+def test_the_command_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "speed.json"
+    argv = ["--models", "mlp-host", "--strategies", "none", "--steps", "2", "--warmup", "2"]
+    assert speed.main([*argv, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["method"] for r in rows] == ["stock", "none"]
+
+
+def test_an_unknown_model_is_refused() -> None:
+    assert speed.main(["--models", "nope"]) == 2
