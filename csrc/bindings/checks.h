@@ -10,6 +10,7 @@
 
 #include "torchstash/bitpack.h"
 #include "torchstash/groupquant.h"
+#include "torchstash/signs.h"
 #include "torchstash/sparse.h"
 
 namespace torchstash {
@@ -250,6 +251,118 @@ inline groupquant::FloatKind check_offsets_scatter(const at::Tensor& offsets, co
                     " offsets need as many values, got ", values.numel());
   check_same_device(op, counts, "counts", values, "values");
   return kind;
+}
+
+// ---------------------------------------------------------------- rows centered on an offset
+
+inline void check_run(const char* op, std::int64_t numel, std::int64_t run) {
+  TORCH_CHECK_VALUE(run >= 1, "torchstash::", op, ": run must be >= 1 (got ", run,
+                    "); it is the number of elements of a row sharing one offset");
+  TORCH_CHECK_VALUE(numel % run == 0, "torchstash::", op, ": ", numel, " elements do not split into rows of ", run,
+                    "; pass the row length of the tensor's layout");
+}
+
+inline groupquant::FloatKind check_row_center(const at::Tensor& x, std::int64_t run) {
+  const groupquant::FloatKind kind = float_kind("row_center", "x", x.scalar_type());
+  check_run("row_center", x.numel(), run);
+  return kind;
+}
+
+// offsets and constant as row_center returned them for rows of `run` out of numel elements.
+inline void check_row_params(const char* op, std::int64_t numel, std::int64_t run, const at::Tensor& offsets,
+                             const at::Tensor& constant, const at::Device& device) {
+  check_run(op, numel, run);
+  const std::int64_t rows = numel / run;
+  TORCH_CHECK_TYPE(offsets.scalar_type() == at::kFloat && offsets.dim() == 1 && offsets.numel() == rows,
+                   "torchstash::", op, ": offsets must be float32 of shape (", rows, ",), got ",
+                   offsets.scalar_type(), " of shape ", offsets.sizes(), "; pass what row_center returned");
+  TORCH_CHECK_TYPE(constant.scalar_type() == at::kByte && constant.dim() == 1 && constant.numel() == ceil_div(rows, 8),
+                   "torchstash::", op, ": constant must be uint8 of shape (", ceil_div(rows, 8), ",), got ",
+                   constant.scalar_type(), " of shape ", constant.sizes(), "; pass what row_center returned");
+  for (const at::Tensor* t : {&offsets, &constant}) {
+    TORCH_CHECK_VALUE(t->device() == device, "torchstash::", op, ": every tensor must be on ", device,
+                      ", got one on ", t->device());
+  }
+}
+
+// What row_center returned for the decoded values' rows of `run`; the output dtype's kind.
+inline groupquant::FloatKind check_row_uncenter(const at::Tensor& decoded, const at::Tensor& offsets,
+                                                const at::Tensor& constant, const at::Tensor& scales,
+                                                std::int64_t run, at::ScalarType dtype) {
+  constexpr const char* op = "row_uncenter";
+  TORCH_CHECK_TYPE(decoded.scalar_type() == at::kFloat, "torchstash::", op, ": decoded must be float32 (got ",
+                   decoded.scalar_type(), "); decode the centered values as float32");
+  check_row_params(op, decoded.numel(), run, offsets, constant, decoded.device());
+  const std::int64_t rows = decoded.numel() / run;
+  TORCH_CHECK_TYPE(scales.scalar_type() == at::kFloat && scales.dim() == 1 &&
+                       (scales.numel() == rows || scales.numel() == 0),
+                   "torchstash::", op, ": scales must be float32 of shape (", rows, ",) or (0,), got ",
+                   scales.scalar_type(), " of shape ", scales.sizes(), "; pass what row_center returned");
+  TORCH_CHECK_VALUE(scales.device() == decoded.device(), "torchstash::", op, ": every tensor must be on ",
+                    decoded.device(), ", got one on ", scales.device());
+  return float_kind(op, "dtype", dtype);
+}
+
+inline groupquant::FloatKind check_row_group_quantize(const at::Tensor& x, std::int64_t run, std::int64_t bits,
+                                                      std::int64_t group_size) {
+  const groupquant::FloatKind kind = check_group_quantize(x, bits, group_size);
+  check_run("row_group_quantize", x.numel(), run);
+  return kind;
+}
+
+inline groupquant::FloatKind check_row_group_dequantize(const at::Tensor& packed, const at::Tensor& lo,
+                                                        const at::Tensor& step, const at::Tensor& offsets,
+                                                        const at::Tensor& constant, std::int64_t bits,
+                                                        std::int64_t group_size, std::int64_t run,
+                                                        std::int64_t numel, at::ScalarType dtype) {
+  const groupquant::FloatKind kind = check_group_dequantize(packed, lo, step, bits, group_size, numel, dtype);
+  check_row_params("row_group_dequantize", numel, run, offsets, constant, packed.device());
+  return kind;
+}
+
+// ---------------------------------------------------------------- fp8 codes
+
+inline groupquant::FloatKind check_fp8_quantize(const at::Tensor& x, std::int64_t group_size) {
+  check_group_size("fp8_quantize", group_size);
+  return float_kind("fp8_quantize", "x", x.scalar_type());
+}
+
+inline groupquant::FloatKind check_fp8_dequantize(const at::Tensor& codes, const at::Tensor& scale,
+                                                  std::int64_t group_size, std::int64_t numel,
+                                                  at::ScalarType dtype) {
+  constexpr const char* op = "fp8_dequantize";
+  check_group_size(op, group_size);
+  TORCH_CHECK_VALUE(numel >= 0, "torchstash::", op, ": numel must be >= 0 (got ", numel, ")");
+  TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte && codes.dim() == 1 && codes.numel() == numel, "torchstash::", op,
+                   ": codes must be 1-D uint8 of ", numel, " codes, got ", codes.scalar_type(), " of shape ",
+                   codes.sizes(), "; pass the first numel codes fp8_quantize returned");
+  const std::int64_t groups = ceil_div(numel, group_size);
+  TORCH_CHECK_TYPE(scale.scalar_type() == at::kBFloat16 && scale.dim() == 1 && scale.numel() == groups,
+                   "torchstash::", op, ": scale must be bfloat16 of shape (", groups, ",), got ", scale.scalar_type(),
+                   " of shape ", scale.sizes(), "; pass the numel and group_size that were used to quantize");
+  TORCH_CHECK_VALUE(scale.device() == codes.device(), "torchstash::", op, ": scale is on ", scale.device(),
+                    " but codes are on ", codes.device(), "; keep them on one device");
+  return float_kind(op, "dtype", dtype);
+}
+
+// ---------------------------------------------------------------- sign bits
+
+inline SignKind sign_kind(const char* op, const char* what, at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return SignKind::kFloat32;
+    case at::kDouble: return SignKind::kFloat64;
+    case at::kHalf: return SignKind::kFloat16;
+    case at::kBFloat16: return SignKind::kBFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, "torchstash::", op, ": ", what,
+                       " must be float32, float64, float16 or bfloat16 (got ", dtype, ")");
+      return SignKind::kFloat32;  // not reached
+  }
+}
+
+inline SignKind check_sign_unpack(const at::Tensor& packed, std::int64_t numel, at::ScalarType dtype) {
+  check_packed("sign_unpack", "sign_pack", packed, 1, numel);
+  return sign_kind("sign_unpack", "dtype", dtype);
 }
 
 inline void check_philox_out(const at::Tensor& out) {

@@ -174,6 +174,126 @@ at::Tensor channel_dequantize_cpu(const at::Tensor& codes, const at::Tensor& lo,
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_center_cpu(const at::Tensor& x, std::int64_t run,
+                                                                          bool scale) {
+  const groupquant::FloatKind kind = bindings::check_row_center(x, run);
+  const at::Tensor c = x.contiguous();
+  const std::int64_t rows = c.numel() / run;
+  at::Tensor centered = c.new_empty({c.numel()}, c.options().dtype(at::kFloat));
+  at::Tensor offsets = c.new_empty({rows}, c.options().dtype(at::kFloat));
+  at::Tensor constant = c.new_empty({ceil_div(rows, 8)}, c.options().dtype(at::kByte));
+  at::Tensor scales = c.new_empty({scale ? rows : 0}, c.options().dtype(at::kFloat));
+  prepare_huge_pages(centered.mutable_data_ptr(), static_cast<std::int64_t>(centered.nbytes()));
+  cpu::row_center(c.const_data_ptr(), kind, rows, run, centered.mutable_data_ptr<float>(),
+                  offsets.mutable_data_ptr<float>(), constant.mutable_data_ptr<std::uint8_t>(),
+                  scale ? scales.mutable_data_ptr<float>() : nullptr, threads_for(c.numel() * 4));
+  return {centered, offsets, constant, scales};
+}
+
+at::Tensor row_uncenter_cpu(const at::Tensor& decoded, const at::Tensor& offsets, const at::Tensor& constant,
+                            const at::Tensor& scales, std::int64_t run, at::ScalarType dtype) {
+  const groupquant::FloatKind kind = bindings::check_row_uncenter(decoded, offsets, constant, scales, run, dtype);
+  const at::Tensor d = decoded.contiguous();
+  const at::Tensor o = offsets.contiguous();
+  const at::Tensor k = constant.contiguous();
+  const at::Tensor s = scales.contiguous();
+  at::Tensor out = d.new_empty({d.numel()}, d.options().dtype(dtype));
+  prepare_huge_pages(out.mutable_data_ptr(), static_cast<std::int64_t>(out.nbytes()));
+  cpu::row_uncenter(d.const_data_ptr<float>(), o.const_data_ptr<float>(), k.const_data_ptr<std::uint8_t>(),
+                    s.numel() > 0 ? s.const_data_ptr<float>() : nullptr, d.numel() / run, run, kind,
+                    out.mutable_data_ptr(), threads_for(d.numel() * 4));
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_group_quantize_cpu(
+    const at::Tensor& x, std::int64_t run, std::int64_t bits, std::int64_t group_size, std::int64_t seed,
+    bool stochastic) {
+  const groupquant::FloatKind kind = bindings::check_row_group_quantize(x, run, bits, group_size);
+  const at::Tensor c = x.contiguous();
+  const std::int64_t n = c.numel();
+  const std::int64_t rows = n / run;
+  const std::int64_t nbytes = bitpack::packed_size(n, static_cast<int>(bits));
+  at::Tensor packed = c.new_empty({nbytes}, c.options().dtype(at::kByte));
+  at::Tensor lo = c.new_empty({ceil_div(n, group_size)}, c.options().dtype(at::kBFloat16));
+  at::Tensor step = c.new_empty({ceil_div(n, group_size)}, c.options().dtype(at::kBFloat16));
+  at::Tensor offsets = c.new_empty({rows}, c.options().dtype(at::kFloat));
+  at::Tensor constant = c.new_empty({ceil_div(rows, 8)}, c.options().dtype(at::kByte));
+  prepare_huge_pages(packed.mutable_data_ptr(), nbytes);
+  if (n > 0) {
+    cpu::row_group_quantize(c.const_data_ptr(), kind, n, run, static_cast<int>(bits),
+                            bindings::kernel_group_size(group_size, n), static_cast<std::uint64_t>(seed), stochastic,
+                            packed.mutable_data_ptr<std::uint8_t>(), static_cast<std::uint16_t*>(lo.mutable_data_ptr()),
+                            static_cast<std::uint16_t*>(step.mutable_data_ptr()), offsets.mutable_data_ptr<float>(),
+                            constant.mutable_data_ptr<std::uint8_t>(), threads_for(n * 16));
+  }
+  return {packed, lo, step, offsets, constant};
+}
+
+at::Tensor row_group_dequantize_cpu(const at::Tensor& packed, const at::Tensor& lo, const at::Tensor& step,
+                                    const at::Tensor& offsets, const at::Tensor& constant, std::int64_t bits,
+                                    std::int64_t group_size, std::int64_t run, std::int64_t numel,
+                                    at::ScalarType dtype) {
+  const groupquant::FloatKind kind = bindings::check_row_group_dequantize(packed, lo, step, offsets, constant, bits,
+                                                                          group_size, run, numel, dtype);
+  const at::Tensor p = packed.contiguous();
+  const at::Tensor l = lo.contiguous();
+  const at::Tensor s = step.contiguous();
+  const at::Tensor o = offsets.contiguous();
+  const at::Tensor k = constant.contiguous();
+  at::Tensor out = p.new_empty({numel}, p.options().dtype(dtype));
+  prepare_huge_pages(out.mutable_data_ptr(), static_cast<std::int64_t>(out.nbytes()));
+  if (numel > 0) {
+    cpu::row_group_dequantize(p.const_data_ptr<std::uint8_t>(), static_cast<const std::uint16_t*>(l.const_data_ptr()),
+                              static_cast<const std::uint16_t*>(s.const_data_ptr()), static_cast<int>(bits),
+                              bindings::kernel_group_size(group_size, numel), numel, run, o.const_data_ptr<float>(),
+                              k.const_data_ptr<std::uint8_t>(), kind, out.mutable_data_ptr(), threads_for(numel * 8));
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> fp8_quantize_cpu(const at::Tensor& x, std::int64_t group_size) {
+  const groupquant::FloatKind kind = bindings::check_fp8_quantize(x, group_size);
+  const at::Tensor c = x.contiguous();
+  const std::int64_t n = c.numel();
+  const std::int64_t groups = ceil_div(n, group_size);
+  at::Tensor codes = c.new_empty({groups * group_size}, c.options().dtype(at::kByte));
+  at::Tensor scale = c.new_empty({groups}, c.options().dtype(at::kBFloat16));
+  prepare_huge_pages(codes.mutable_data_ptr(), static_cast<std::int64_t>(codes.nbytes()));
+  cpu::fp8_quantize(c.const_data_ptr(), kind, n, group_size, codes.mutable_data_ptr<std::uint8_t>(),
+                    static_cast<std::uint16_t*>(scale.mutable_data_ptr()), threads_for(n * 4));
+  return {codes, scale};
+}
+
+at::Tensor fp8_dequantize_cpu(const at::Tensor& codes, const at::Tensor& scale, std::int64_t group_size,
+                              std::int64_t numel, at::ScalarType dtype) {
+  const groupquant::FloatKind kind = bindings::check_fp8_dequantize(codes, scale, group_size, numel, dtype);
+  const at::Tensor c = codes.contiguous();
+  const at::Tensor s = scale.contiguous();
+  at::Tensor out = c.new_empty({numel}, c.options().dtype(dtype));
+  prepare_huge_pages(out.mutable_data_ptr(), static_cast<std::int64_t>(out.nbytes()));
+  cpu::fp8_dequantize(c.const_data_ptr<std::uint8_t>(), static_cast<const std::uint16_t*>(s.const_data_ptr()), numel,
+                      group_size, kind, out.mutable_data_ptr(), threads_for(numel * 4));
+  return out;
+}
+
+at::Tensor sign_pack_cpu(const at::Tensor& x) {
+  const SignKind kind = bindings::sign_kind("sign_pack", "x", x.scalar_type());
+  const at::Tensor c = x.contiguous();
+  const std::int64_t n = c.numel();
+  at::Tensor out = c.new_empty({ceil_div(n, 8)}, c.options().dtype(at::kByte));
+  cpu::sign_pack(c.const_data_ptr(), kind, n, out.mutable_data_ptr<std::uint8_t>(), threads_for(n));
+  return out;
+}
+
+at::Tensor sign_unpack_cpu(const at::Tensor& packed, std::int64_t numel, at::ScalarType dtype) {
+  const SignKind kind = bindings::check_sign_unpack(packed, numel, dtype);
+  const at::Tensor p = packed.contiguous();
+  at::Tensor out = p.new_empty({numel}, p.options().dtype(dtype));
+  prepare_huge_pages(out.mutable_data_ptr(), static_cast<std::int64_t>(out.nbytes()));
+  cpu::sign_unpack(p.const_data_ptr<std::uint8_t>(), numel, kind, out.mutable_data_ptr(), threads_for(numel));
+  return out;
+}
+
 at::Tensor topk_mask_cpu(const at::Tensor& x, std::int64_t segments, std::int64_t k, bool exact) {
   const sparse::KeyKind kind = bindings::check_topk_mask(x, segments, k, exact);
   const at::Tensor c = x.contiguous();
@@ -261,6 +381,20 @@ TORCH_LIBRARY(torchstash, m) {
   m.def("channel_minmax(Tensor x, int inner, int channels) -> (Tensor, Tensor)");
   m.def("channel_quantize(Tensor x, Tensor lo, Tensor step, int inner, int seed, bool stochastic) -> Tensor");
   m.def("channel_dequantize(Tensor codes, Tensor lo, Tensor step, int inner, ScalarType dtype) -> Tensor");
+  m.def("row_center(Tensor x, int run, bool scale) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "row_uncenter(Tensor decoded, Tensor offsets, Tensor constant, Tensor scales, int run, ScalarType dtype) -> "
+      "Tensor");
+  m.def(
+      "row_group_quantize(Tensor x, int run, int bits, int group_size, int seed, bool stochastic) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "row_group_dequantize(Tensor packed, Tensor lo, Tensor step, Tensor offsets, Tensor constant, int bits, "
+      "int group_size, int run, int numel, ScalarType dtype) -> Tensor");
+  m.def("fp8_quantize(Tensor x, int group_size) -> (Tensor, Tensor)");
+  m.def("fp8_dequantize(Tensor codes, Tensor scale, int group_size, int numel, ScalarType dtype) -> Tensor");
+  m.def("sign_pack(Tensor x) -> Tensor");
+  m.def("sign_unpack(Tensor packed, int numel, ScalarType dtype) -> Tensor");
   m.def("topk_mask(Tensor x, int segments, int k, bool exact) -> Tensor");
   m.def("mask_compact(Tensor x, Tensor mask, int kept) -> Tensor");
   m.def("mask_scatter(Tensor mask, Tensor values, int numel) -> Tensor");
@@ -277,6 +411,14 @@ TORCH_LIBRARY_IMPL(torchstash, CPU, m) {
   m.impl("channel_minmax", &torchstash::channel_minmax_cpu);
   m.impl("channel_quantize", &torchstash::channel_quantize_cpu);
   m.impl("channel_dequantize", &torchstash::channel_dequantize_cpu);
+  m.impl("row_center", &torchstash::row_center_cpu);
+  m.impl("row_uncenter", &torchstash::row_uncenter_cpu);
+  m.impl("row_group_quantize", &torchstash::row_group_quantize_cpu);
+  m.impl("row_group_dequantize", &torchstash::row_group_dequantize_cpu);
+  m.impl("fp8_quantize", &torchstash::fp8_quantize_cpu);
+  m.impl("fp8_dequantize", &torchstash::fp8_dequantize_cpu);
+  m.impl("sign_pack", &torchstash::sign_pack_cpu);
+  m.impl("sign_unpack", &torchstash::sign_unpack_cpu);
   m.impl("topk_mask", &torchstash::topk_mask_cpu);
   m.impl("mask_compact", &torchstash::mask_compact_cpu);
   m.impl("mask_scatter", &torchstash::mask_scatter_cpu);

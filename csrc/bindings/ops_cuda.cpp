@@ -125,6 +125,106 @@ at::Tensor channel_dequantize_cuda(const at::Tensor& codes, const at::Tensor& lo
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_center_cuda(const at::Tensor& x, std::int64_t run,
+                                                                           bool scale) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const groupquant::FloatKind kind = bindings::check_row_center(x, run);
+  const at::Tensor c = x.contiguous();
+  const std::int64_t rows = c.numel() / run;
+  at::Tensor centered = c.new_empty({c.numel()}, c.options().dtype(at::kFloat));
+  at::Tensor offsets = c.new_empty({rows}, c.options().dtype(at::kFloat));
+  at::Tensor constant = c.new_empty({ceil_div(rows, 8)}, c.options().dtype(at::kByte));
+  at::Tensor scales = c.new_empty({scale ? rows : 0}, c.options().dtype(at::kFloat));
+  C10_CUDA_CHECK(cuda::launch_row_center(c.const_data_ptr(), kind, rows, run, centered.mutable_data_ptr<float>(),
+                                         offsets.mutable_data_ptr<float>(), constant.mutable_data_ptr<std::uint8_t>(),
+                                         scale ? scales.mutable_data_ptr<float>() : nullptr, current_stream()));
+  return {centered, offsets, constant, scales};
+}
+
+at::Tensor row_uncenter_cuda(const at::Tensor& decoded, const at::Tensor& offsets, const at::Tensor& constant,
+                             const at::Tensor& scales, std::int64_t run, at::ScalarType dtype) {
+  const c10::cuda::CUDAGuard guard(decoded.device());
+  const groupquant::FloatKind kind = bindings::check_row_uncenter(decoded, offsets, constant, scales, run, dtype);
+  const at::Tensor d = decoded.contiguous();
+  const at::Tensor o = offsets.contiguous();
+  const at::Tensor k = constant.contiguous();
+  const at::Tensor s = scales.contiguous();
+  at::Tensor out = d.new_empty({d.numel()}, d.options().dtype(dtype));
+  C10_CUDA_CHECK(cuda::launch_row_uncenter(d.const_data_ptr<float>(), o.const_data_ptr<float>(),
+                                           k.const_data_ptr<std::uint8_t>(),
+                                           s.numel() > 0 ? s.const_data_ptr<float>() : nullptr, d.numel() / run, run,
+                                           kind, out.mutable_data_ptr(), current_stream()));
+  return out;
+}
+
+// CUDA composes the two kernels (row_center, then group_quantize of its float32 output, a
+// scratch tensor on the same stream); the CPU fuses them.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_group_quantize_cuda(
+    const at::Tensor& x, std::int64_t run, std::int64_t bits, std::int64_t group_size, std::int64_t seed,
+    bool stochastic) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  bindings::check_row_group_quantize(x, run, bits, group_size);
+  auto [centered, offsets, constant, scales] = row_center_cuda(x, run, false);
+  auto [packed, lo, step] = group_quantize_cuda(centered, bits, group_size, seed, stochastic);
+  return {packed, lo, step, offsets, constant};
+}
+
+at::Tensor row_group_dequantize_cuda(const at::Tensor& packed, const at::Tensor& lo, const at::Tensor& step,
+                                     const at::Tensor& offsets, const at::Tensor& constant, std::int64_t bits,
+                                     std::int64_t group_size, std::int64_t run, std::int64_t numel,
+                                     at::ScalarType dtype) {
+  const c10::cuda::CUDAGuard guard(packed.device());
+  bindings::check_row_group_dequantize(packed, lo, step, offsets, constant, bits, group_size, run, numel, dtype);
+  const at::Tensor decoded = group_dequantize_cuda(packed, lo, step, bits, group_size, numel, at::kFloat);
+  return row_uncenter_cuda(decoded, offsets, constant, offsets.new_empty({0}), run, dtype);
+}
+
+std::tuple<at::Tensor, at::Tensor> fp8_quantize_cuda(const at::Tensor& x, std::int64_t group_size) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const groupquant::FloatKind kind = bindings::check_fp8_quantize(x, group_size);
+  const at::Tensor c = x.contiguous();
+  const std::int64_t groups = ceil_div(c.numel(), group_size);
+  at::Tensor codes = c.new_empty({groups * group_size}, c.options().dtype(at::kByte));
+  at::Tensor scale = c.new_empty({groups}, c.options().dtype(at::kBFloat16));
+  C10_CUDA_CHECK(cuda::launch_fp8_quantize(c.const_data_ptr(), kind, c.numel(), group_size,
+                                           codes.mutable_data_ptr<std::uint8_t>(),
+                                           static_cast<std::uint16_t*>(scale.mutable_data_ptr()), current_stream()));
+  return {codes, scale};
+}
+
+at::Tensor fp8_dequantize_cuda(const at::Tensor& codes, const at::Tensor& scale, std::int64_t group_size,
+                               std::int64_t numel, at::ScalarType dtype) {
+  const c10::cuda::CUDAGuard guard(codes.device());
+  const groupquant::FloatKind kind = bindings::check_fp8_dequantize(codes, scale, group_size, numel, dtype);
+  const at::Tensor c = codes.contiguous();
+  const at::Tensor s = scale.contiguous();
+  at::Tensor out = c.new_empty({numel}, c.options().dtype(dtype));
+  C10_CUDA_CHECK(cuda::launch_fp8_dequantize(c.const_data_ptr<std::uint8_t>(),
+                                             static_cast<const std::uint16_t*>(s.const_data_ptr()), numel, group_size,
+                                             kind, out.mutable_data_ptr(), current_stream()));
+  return out;
+}
+
+at::Tensor sign_pack_cuda(const at::Tensor& x) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const SignKind kind = bindings::sign_kind("sign_pack", "x", x.scalar_type());
+  const at::Tensor c = x.contiguous();
+  at::Tensor out = c.new_empty({ceil_div(c.numel(), 8)}, c.options().dtype(at::kByte));
+  C10_CUDA_CHECK(cuda::launch_sign_pack(c.const_data_ptr(), kind, c.numel(), out.mutable_data_ptr<std::uint8_t>(),
+                                        current_stream()));
+  return out;
+}
+
+at::Tensor sign_unpack_cuda(const at::Tensor& packed, std::int64_t numel, at::ScalarType dtype) {
+  const c10::cuda::CUDAGuard guard(packed.device());
+  const SignKind kind = bindings::check_sign_unpack(packed, numel, dtype);
+  const at::Tensor p = packed.contiguous();
+  at::Tensor out = p.new_empty({numel}, p.options().dtype(dtype));
+  C10_CUDA_CHECK(cuda::launch_sign_unpack(p.const_data_ptr<std::uint8_t>(), numel, kind, out.mutable_data_ptr(),
+                                          current_stream()));
+  return out;
+}
+
 // Device scratch memory from torch's caching allocator, on t's device and stream.
 at::Tensor workspace_like(const at::Tensor& t, std::int64_t bytes) {
   return t.new_empty({bytes > 0 ? bytes : 1}, t.options().dtype(at::kByte));
@@ -214,6 +314,14 @@ TORCH_LIBRARY_IMPL(torchstash, CUDA, m) {
   m.impl("channel_minmax", &torchstash::channel_minmax_cuda);
   m.impl("channel_quantize", &torchstash::channel_quantize_cuda);
   m.impl("channel_dequantize", &torchstash::channel_dequantize_cuda);
+  m.impl("row_center", &torchstash::row_center_cuda);
+  m.impl("row_uncenter", &torchstash::row_uncenter_cuda);
+  m.impl("row_group_quantize", &torchstash::row_group_quantize_cuda);
+  m.impl("row_group_dequantize", &torchstash::row_group_dequantize_cuda);
+  m.impl("fp8_quantize", &torchstash::fp8_quantize_cuda);
+  m.impl("fp8_dequantize", &torchstash::fp8_dequantize_cuda);
+  m.impl("sign_pack", &torchstash::sign_pack_cuda);
+  m.impl("sign_unpack", &torchstash::sign_unpack_cuda);
   m.impl("topk_mask", &torchstash::topk_mask_cuda);
   m.impl("mask_compact", &torchstash::mask_compact_cuda);
   m.impl("mask_scatter", &torchstash::mask_scatter_cuda);

@@ -57,7 +57,7 @@ inline void store_floats(void* out, groupquant::FloatKind kind, index_t first, i
 // advance kPhiloxLanes at a time (structure of arrays, as in philox_cpu.cpp); the few blocks
 // computed past the end are ignored. GCC vectorizes across 16 such steps, so it pays off from
 // about 128 blocks: hence spans.
-TS_CPU_CLONES const float* fill_uniforms(float* buf, index_t first, index_t count, std::uint64_t seed) {
+[[maybe_unused]] TS_CPU_CLONES const float* fill_uniforms(float* buf, index_t first, index_t count, std::uint64_t seed) {
   const index_t b_lo = first >> 2;
   const index_t b_hi = (first + count + 3) >> 2;
   for (index_t b0 = b_lo; b0 < b_hi; b0 += kPhiloxLanes) {

@@ -5,12 +5,17 @@
 // (byte_aligned_groups), so tasks never share an output byte even when a byte straddles
 // two groups. Each group is read twice while it is in cache: min/max, then codes and
 // packing. Values and Philox uniforms are prepared a span of up to kSpan elements at a
-// time: whole groups when they are small, part of one group when it is large.
+// time: whole groups when they are small, part of one group when it is large. A span of
+// small groups takes one call per leaf loop (stats of all its groups, codes of all its
+// ordinary groups, packing), not one per group: per-group calls (each through an ifunc,
+// each with its lane merges) took 3.4x the time on 256-element groups.
 // Dequantize: a task owns a range of whole packed bytes; groups may start anywhere in it.
 //
-// Only the hot leaf loops (span_stats, finite_codes, affine_values, float_spans.h's
-// fill_uniforms) are compiled per instruction set (clones.h); they do not depend on the bit
-// width, so the width-templated glue is compiled once and the unit builds in a few seconds.
+// Only the hot leaf loops (groups_stats, groups_codes, pack_bytes*, affine_values,
+// float_spans.h's fill_uniforms) are compiled per instruction set (clones.h); they do not
+// depend on the bit width, so the width-templated glue is compiled once and the unit builds
+// in a few seconds. The stats and codes loops are written on 16-float GCC vectors, which
+// each clone lowers to its own registers (the scalar loops vectorized at 8 floats at best).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -18,6 +23,7 @@
 #include "clones.h"
 #include "float_spans.h"
 #include "philox_lanes.h"
+#include "row_lanes.h"
 #include "torchstash/bitpack.h"
 #include "torchstash/cpu_kernels.h"
 #include "torchstash/groupquant.h"
@@ -35,14 +41,21 @@ constexpr index_t kTaskElems = index_t{1} << 16;  // elements per OpenMP task, a
 constexpr int kLanes = kPhiloxLanes;               // min/max lanes
 static_assert(kSpan % 8 == 0 && kTaskElems % 8 == 0, "spans and tasks must start on bytes");
 
-// Min/max of x[0, count) merged into s, in kLanes independent lanes so that the loop
-// vectorizes without -ffast-math (each lane update is a plain compare-and-select).
-TS_CPU_CLONES Stats span_stats(const float* x, index_t count, Stats s) {
+// 16 floats (or their bits) as one GCC vector: each clone lowers it to its widest registers.
+typedef float F16 __attribute__((vector_size(64)));
+typedef std::uint32_t U16 __attribute__((vector_size(64)));
+typedef std::int32_t I16 __attribute__((vector_size(64)));
+typedef std::uint8_t U8x16 __attribute__((vector_size(16)));
+
+// Min/max of x[0, count) in kLanes independent lanes, each update a compare-and-select
+// that excludes NaN and Inf (flagged instead): the careful loop, for groups holding them.
+__attribute__((always_inline)) inline Stats lane_stats(const float* x, index_t count) {
   float mn[kLanes], mx[kLanes];
   std::uint32_t bad[kLanes];
+  const Stats empty = groupquant::empty_stats();
   for (int l = 0; l < kLanes; ++l) {
-    mn[l] = s.mn;
-    mx[l] = s.mx;
+    mn[l] = empty.mn;
+    mx[l] = empty.mx;
     bad[l] = 0;
   }
   const float inf = groupquant::bits_float(0x7F800000u);
@@ -59,15 +72,115 @@ TS_CPU_CLONES Stats span_stats(const float* x, index_t count, Stats s) {
       bad[l] |= fin ? 0u : 1u;
     }
   }
+  Stats s = empty;
   for (; k < count; ++k) groupquant::accumulate(&s, x[k]);
   for (int l = 0; l < kLanes; ++l) s = groupquant::merge(s, Stats{mn[l], mx[l], bad[l] != 0});
   return s;
 }
 
-// c[k] <- the code of finite x[k] in a normal group with step > 0.
+// Min/max of x[0, count). The fast loop takes min and max of everything (a NaN fails both
+// compares and is skipped, an infinity is taken) and the largest magnitude as bits, at least
+// 0x7F800000 exactly when something is not finite; only then does lane_stats run.
+__attribute__((always_inline)) inline Stats block_stats(const float* x, index_t count) {
+  F16 mn, mx;
+  U16 mag = {};
+  const Stats empty = groupquant::empty_stats();
+  for (int l = 0; l < 16; ++l) {
+    mn[l] = empty.mn;
+    mx[l] = empty.mx;
+  }
+  index_t k = 0;
+  for (; k + 16 <= count; k += 16) {
+    F16 v;
+    std::memcpy(&v, x + k, sizeof(v));
+    mn = v < mn ? v : mn;
+    mx = v > mx ? v : mx;
+    const U16 a = (U16)v & 0x7FFFFFFFu;
+    mag = a > mag ? a : mag;
+  }
+  Stats s = empty;
+  std::uint32_t big = 0;
+  for (int l = 0; l < 16; ++l) {
+    s.mn = mn[l] < s.mn ? mn[l] : s.mn;
+    s.mx = mx[l] > s.mx ? mx[l] : s.mx;
+    big = mag[l] > big ? mag[l] : big;
+  }
+  for (; k < count; ++k) {
+    big = std::max(big, groupquant::float_bits(x[k]) & 0x7FFFFFFFu);
+    s.mn = x[k] < s.mn ? x[k] : s.mn;
+    s.mx = x[k] > s.mx ? x[k] : s.mx;
+  }
+  return big >= 0x7F800000u ? lane_stats(x, count) : s;
+}
+
+// c[k] <- the code of finite x[k] in a normal group with step > 0 (finite_code, 16 at a time).
+__attribute__((always_inline)) inline void ordinary_codes(const float* x, const float* u, index_t count, float lo,
+                                                          float step, float top, std::uint8_t* c) {
+  index_t k = 0;
+  for (; k + 16 <= count; k += 16) {
+    F16 v, r;
+    std::memcpy(&v, x + k, sizeof(v));
+    std::memcpy(&r, u + k, sizeof(r));
+    F16 w = (v - lo) / step + r;
+    w = w >= 0.0f ? w : 0.0f;  // a NaN fails the compare: 0
+    w = w < top ? w : top;
+    const U8x16 b = __builtin_convertvector(__builtin_convertvector(w, I16), U8x16);
+    std::memcpy(c + k, &b, sizeof(b));
+  }
+  for (; k < count; ++k) c[k] = groupquant::finite_code(x[k], lo, step, top, u[k]);
+}
+
+// Min/max of x[0, count) merged into s (a part of one large group).
+TS_CPU_CLONES Stats span_stats(const float* x, index_t count, Stats s) {
+  return groupquant::merge(s, block_stats(x, count));
+}
+
+// stats[j] <- min/max of group j of a span of whole groups of G elements, x[0, count) (the
+// last group may be shorter): one call per span, not per group.
+TS_CPU_CLONES void groups_stats(const float* x, index_t count, index_t G, Stats* stats) {
+  for (index_t off = 0, j = 0; off < count; off += G, ++j) stats[j] = block_stats(x + off, std::min(G, count - off));
+}
+
 TS_CPU_CLONES void finite_codes(const float* x, const float* u, index_t count, float lo, float step, float top,
                                 std::uint8_t* c) {
-  for (index_t k = 0; k < count; ++k) c[k] = groupquant::finite_code(x[k], lo, step, top, u[k]);
+  ordinary_codes(x, u, count, lo, step, top, c);
+}
+
+// Whether a group's codes come from ordinary_codes (finite, not tiny, step > 0).
+bool is_ordinary(const Params& p) { return !p.special && p.shape == groupquant::kOrdinary && p.step > 0.0f; }
+
+// The codes of the ordinary groups of a span of whole groups of G elements, x[0, count),
+// into c; the other groups' codes are left to the caller.
+TS_CPU_CLONES void groups_codes(const float* x, const float* u, index_t count, index_t G, const Params* params,
+                                std::uint8_t* c) {
+  for (index_t off = 0, j = 0; off < count; off += G, ++j) {
+    const Params& p = params[j];
+    if (is_ordinary(p)) ordinary_codes(x + off, u + off, std::min(G, count - off), p.lo, p.step, p.top, c + off);
+  }
+}
+
+// out[j] <- byte j of the packed codes (whole bytes only), one loop per width.
+TS_CPU_CLONES void pack_bytes1(const std::uint8_t* codes, index_t bytes, std::uint8_t* out) {
+  for (index_t j = 0; j < bytes; ++j) out[j] = bitpack::pack_full<1>(codes + 8 * j);
+}
+TS_CPU_CLONES void pack_bytes2(const std::uint8_t* codes, index_t bytes, std::uint8_t* out) {
+  for (index_t j = 0; j < bytes; ++j) out[j] = bitpack::pack_full<2>(codes + 4 * j);
+}
+TS_CPU_CLONES void pack_bytes4(const std::uint8_t* codes, index_t bytes, std::uint8_t* out) {
+  for (index_t j = 0; j < bytes; ++j) out[j] = bitpack::pack_full<4>(codes + 2 * j);
+}
+
+template <int BITS>
+void pack_bytes(const std::uint8_t* codes, index_t bytes, std::uint8_t* out) {
+  if constexpr (BITS == 1) {
+    pack_bytes1(codes, bytes, out);
+  } else if constexpr (BITS == 2) {
+    pack_bytes2(codes, bytes, out);
+  } else if constexpr (BITS == 4) {
+    pack_bytes4(codes, bytes, out);
+  } else {
+    std::memcpy(out, codes, static_cast<std::size_t>(bytes));
+  }
 }
 
 // vals[k] <- lo + codes[k] * step, rounded twice (no FMA: -ffp-contract=off).
@@ -89,7 +202,7 @@ struct Packer {
   void commit(index_t count) {
     const index_t total = pending + count;
     const index_t full = total / kPer;
-    for (index_t j = 0; j < full; ++j) out[j] = bitpack::pack_full<BITS>(codes + j * kPer);
+    pack_bytes<BITS>(codes, full, out);
     out += full;
     pending = static_cast<int>(total - full * kPer);
     for (int k = 0; k < pending; ++k) codes[k] = codes[full * kPer + k];
@@ -111,18 +224,48 @@ struct QuantArgs {
   std::uint8_t* packed;
   std::uint16_t* lo;
   std::uint16_t* step;
+  const float* offsets = nullptr;  // rows centered on these (row_group_quantize)
+  index_t run = 0;                 // their length
 };
+
+// out[k] <- x[k] - offset (out may be x).
+TS_CPU_CLONES void subtract_offset(const float* x, index_t count, float offset, float* out) {
+  for (index_t k = 0; k < count; ++k) out[k] = x[k] - offset;
+}
+
+// Elements [first, first + count) as float32 (load_floats), each minus its row's offset when
+// the rows are centered (then always in xbuf).
+const float* load_values(const QuantArgs& a, index_t first, index_t count, float* xbuf) {
+  const float* x = load_floats(a.x, a.kind, first, count, xbuf);
+  if (a.offsets == nullptr) return x;
+  for (index_t k = 0; k < count;) {
+    const index_t r = (first + k) / a.run;
+    const index_t len = std::min(count - k, (r + 1) * a.run - (first + k));
+    subtract_offset(x + k, len, a.offsets[r], xbuf + k);
+    k += len;
+  }
+  return xbuf;
+}
+
+// c[0, count) <- the codes of a group that is not ordinary: special or tiny (element by
+// element) or constant (all 0).
+template <int BITS>
+void special_codes(const Params& p, const float* x, const float* u, index_t count, std::uint8_t* c) {
+  if (p.special || p.shape != groupquant::kOrdinary) {
+    for (index_t k = 0; k < count; ++k) c[k] = groupquant::code_of(x[k], p, u[k], BITS);
+  } else {
+    std::memset(c, 0, static_cast<std::size_t>(count));
+  }
+}
 
 // Codes of `count` (<= kSpan) elements of one group (values x, uniforms u) into the packer.
 template <int BITS>
 void encode(const Params& p, const float* x, const float* u, index_t count, Packer<BITS>* packer) {
   std::uint8_t* c = packer->slot();
-  if (p.special || p.shape != groupquant::kOrdinary) {
-    for (index_t k = 0; k < count; ++k) c[k] = groupquant::code_of(x[k], p, u[k], BITS);
-  } else if (p.step > 0.0f) {
+  if (is_ordinary(p)) {
     finite_codes(x, u, count, p.lo, p.step, p.top, c);
-  } else {  // a constant group: all codes 0
-    std::memset(c, 0, static_cast<std::size_t>(count));
+  } else {
+    special_codes<BITS>(p, x, u, count, c);
   }
   packer->commit(count);
 }
@@ -140,6 +283,8 @@ void quantize_groups(const QuantArgs& a, index_t g_lo, index_t g_hi) {
   const index_t G = a.group_size;
   float xbuf[kSpan];
   float ubuf[kUniforms];
+  Stats stats[kSpan];
+  Params params[kSpan];
   if (!a.stochastic) std::fill(ubuf, ubuf + kSpan, groupquant::kNearest);
   const float* u = ubuf;
   Packer<BITS> packer;
@@ -150,14 +295,17 @@ void quantize_groups(const QuantArgs& a, index_t g_lo, index_t g_hi) {
       const index_t g1 = std::min(g_hi, g0 + batch);
       const index_t first = g0 * G;
       const index_t count = std::min(a.n, g1 * G) - first;
-      const float* x = load_floats(a.x, a.kind, first, count, xbuf);
+      const float* x = load_values(a, first, count, xbuf);
       if (a.stochastic) u = fill_uniforms(ubuf, first, count, a.seed);
-      for (index_t g = g0; g < g1; ++g) {
-        const index_t off = (g - g0) * G;
-        const index_t m = std::min(G, count - off);
-        const Params p = group_params(a, g, span_stats(x + off, m, groupquant::empty_stats()), BITS);
-        encode<BITS>(p, x + off, u + off, m, &packer);
+      groups_stats(x, count, G, stats);
+      for (index_t g = g0; g < g1; ++g) params[g - g0] = group_params(a, g, stats[g - g0], BITS);
+      std::uint8_t* c = packer.slot();
+      groups_codes(x, u, count, G, params, c);
+      for (index_t j = 0; j < g1 - g0; ++j) {  // special, tiny and constant groups
+        const index_t off = j * G;
+        if (!is_ordinary(params[j])) special_codes<BITS>(params[j], x + off, u + off, std::min(G, count - off), c + off);
       }
+      packer.commit(count);
     }
   } else {  // one group, span by span: all of its min/max first, then its codes
     for (index_t g = g_lo; g < g_hi; ++g) {
@@ -166,12 +314,12 @@ void quantize_groups(const QuantArgs& a, index_t g_lo, index_t g_hi) {
       Stats s = groupquant::empty_stats();
       for (index_t i = begin; i < end; i += kSpan) {
         const index_t m = std::min(kSpan, end - i);
-        s = span_stats(load_floats(a.x, a.kind, i, m, xbuf), m, s);
+        s = span_stats(load_values(a, i, m, xbuf), m, s);
       }
       const Params p = group_params(a, g, s, BITS);
       for (index_t i = begin; i < end; i += kSpan) {
         const index_t m = std::min(kSpan, end - i);
-        const float* x = load_floats(a.x, a.kind, i, m, xbuf);
+        const float* x = load_values(a, i, m, xbuf);
         if (a.stochastic) u = fill_uniforms(ubuf, i, m, a.seed);
         encode<BITS>(p, x, u, m, &packer);
       }
@@ -197,33 +345,95 @@ struct DequantArgs {
   index_t group_size;
   FloatKind kind;
   void* out;
+  const float* offsets = nullptr;           // rows restored on these (row_group_dequantize)
+  const std::uint8_t* constant = nullptr;  // their constant flags
+  index_t run = 0;                          // their length
 };
 
-// Elements [e_lo, e_hi); e_lo is a multiple of 8, so the range starts on a byte boundary.
+// vals[0, count) <- the float32 values of elements [s, s + count) (count <= kSpan; s anywhere:
+// codes before the first byte boundary are read one by one).
 template <int BITS>
-void dequantize_elems(const DequantArgs& a, index_t e_lo, index_t e_hi) {
+void decode_values(const DequantArgs& a, index_t s, index_t count, float* vals) {
   constexpr int per = 8 / BITS;
   std::uint8_t codes[kSpan + 8];
-  float vals[kSpan];
+  index_t k = 0;
+  for (; k < count && (s + k) % per != 0; ++k) codes[k] = bitpack::unpack_code(a.packed, s + k, BITS);
+  const index_t full = (count - k) / per;
+  const std::uint8_t* src = a.packed + (s + k) / per;
+  for (index_t j = 0; j < full; ++j) bitpack::unpack_full<BITS>(src[j], codes + k + j * per);
+  for (k += full * per; k < count; ++k) codes[k] = bitpack::unpack_code(a.packed, s + k, BITS);
+  for (index_t i = s; i < s + count;) {  // one group segment at a time
+    const index_t g = i / a.group_size;
+    const index_t seg_end = std::min(s + count, (g + 1) * a.group_size);
+    const Params p = groupquant::load_params(a.lo[g], a.step[g], BITS);
+    const index_t k0 = i - s;
+    if (p.special || p.shape != groupquant::kOrdinary) {
+      for (index_t j = k0; j < seg_end - s; ++j) vals[j] = groupquant::value_of(codes[j], p, BITS);
+    } else {
+      affine_values(codes + k0, seg_end - i, p.lo, p.step, vals + k0);
+    }
+    i = seg_end;
+  }
+}
+
+// Elements [e_lo, e_hi), a span at a time (float32 output decoded in place).
+template <int BITS>
+void dequantize_elems(const DequantArgs& a, index_t e_lo, index_t e_hi) {
+  float vbuf[kSpan];
   for (index_t s = e_lo; s < e_hi; s += kSpan) {
     const index_t count = std::min(kSpan, e_hi - s);
-    const index_t full = count / per;  // kSpan is a multiple of 8: s is byte-aligned
-    const std::uint8_t* src = a.packed + s / per;
-    for (index_t j = 0; j < full; ++j) bitpack::unpack_full<BITS>(src[j], codes + j * per);
-    for (index_t k = full * per; k < count; ++k) codes[k] = bitpack::unpack_code(src, k, BITS);
-    for (index_t i = s; i < s + count;) {  // one group segment at a time
-      const index_t g = i / a.group_size;
-      const index_t seg_end = std::min(s + count, (g + 1) * a.group_size);
-      const Params p = groupquant::load_params(a.lo[g], a.step[g], BITS);
-      const index_t k0 = i - s;
-      if (p.special || p.shape != groupquant::kOrdinary) {
-        for (index_t k = k0; k < seg_end - s; ++k) vals[k] = groupquant::value_of(codes[k], p, BITS);
-      } else {
-        affine_values(codes + k0, seg_end - i, p.lo, p.step, vals + k0);
-      }
-      i = seg_end;
+    float* vals = a.kind == FloatKind::kFloat32 ? static_cast<float*>(a.out) + s : vbuf;
+    decode_values<BITS>(a, s, count, vals);
+    if (a.kind != FloatKind::kFloat32) store_floats(a.out, a.kind, s, count, vbuf);
+  }
+}
+
+// v[k] <- v[k] + delta.
+TS_CPU_CLONES void add_delta(float* v, index_t count, float delta) {
+  for (index_t k = 0; k < count; ++k) v[k] = v[k] + delta;
+}
+
+// Row r restored (row_uncenter of its decoded values): decoded once for its lane sums (into
+// the output itself when it is float32), then the output written (decoded once more for a
+// 16-bit one).
+template <int BITS>
+void restore_row(const DequantArgs& a, index_t r, float* vbuf) {
+  const bool constant = ((a.constant[r / 8] >> (r % 8)) & 1u) != 0;
+  const bool in_place = a.kind == FloatKind::kFloat32;
+  const index_t begin = r * a.run;
+  double lanes[kSumLanes] = {};
+  for (index_t i = 0; i < a.run && !constant; i += kSpan) {  // a constant row's values are 0
+    const index_t m = std::min(kSpan, a.run - i);
+    float* v = in_place ? static_cast<float*>(a.out) + begin + i : vbuf;
+    decode_values<BITS>(a, begin + i, m, v);
+    add_lanes(v, m, 0.0f, lanes);
+  }
+  const float delta = a.offsets[r] - lanes_drift(lanes, a.run);
+  for (index_t i = 0; i < a.run; i += kSpan) {
+    const index_t m = std::min(kSpan, a.run - i);
+    float* v = in_place ? static_cast<float*>(a.out) + begin + i : vbuf;
+    if (constant) {
+      std::fill(v, v + m, 0.0f + delta);
+    } else {
+      if (!in_place) decode_values<BITS>(a, begin + i, m, v);
+      add_delta(v, m, delta);
     }
-    store_floats(a.out, a.kind, s, count, vals);
+    if (!in_place) store_floats(a.out, a.kind, begin + i, m, vbuf);
+  }
+}
+
+template <int BITS>
+void restore_rows(const DequantArgs& a, index_t r_lo, index_t r_hi) {
+  float vbuf[kSpan];
+  for (index_t r = r_lo; r < r_hi; ++r) restore_row<BITS>(a, r, vbuf);
+}
+
+void restore_range(const DequantArgs& a, int bits, index_t r_lo, index_t r_hi) {
+  switch (bits) {
+    case 1: return restore_rows<1>(a, r_lo, r_hi);
+    case 2: return restore_rows<2>(a, r_lo, r_hi);
+    case 4: return restore_rows<4>(a, r_lo, r_hi);
+    default: return restore_rows<8>(a, r_lo, r_hi);
   }
 }
 
@@ -236,13 +446,8 @@ void dequantize_range(const DequantArgs& a, int bits, index_t e_lo, index_t e_hi
   }
 }
 
-}  // namespace
-
-void group_quantize(const void* x, groupquant::FloatKind kind, index_t n, int bits, index_t group_size,
-                    std::uint64_t seed, bool stochastic, std::uint8_t* packed, std::uint16_t* lo,
-                    std::uint16_t* step, int num_threads) {
-  if (n <= 0) return;
-  const QuantArgs a{x, kind, n, group_size, seed, stochastic, packed, lo, step};
+void quantize_tasks(const QuantArgs& a, int bits, int num_threads) {
+  const index_t n = a.n, group_size = a.group_size;
   const index_t groups = ceil_div(n, group_size);
   const index_t align = groupquant::byte_aligned_groups(group_size, bits);
   // Whole byte-aligned runs of groups per task, about kTaskElems elements.
@@ -253,6 +458,37 @@ void group_quantize(const void* x, groupquant::FloatKind kind, index_t n, int bi
     const index_t g_lo = t * per_task;
     quantize_range(a, bits, g_lo, std::min(groups, g_lo + per_task));
   }
+}
+
+}  // namespace
+
+void group_quantize(const void* x, groupquant::FloatKind kind, index_t n, int bits, index_t group_size,
+                    std::uint64_t seed, bool stochastic, std::uint8_t* packed, std::uint16_t* lo,
+                    std::uint16_t* step, int num_threads) {
+  if (n <= 0) return;
+  quantize_tasks(QuantArgs{x, kind, n, group_size, seed, stochastic, packed, lo, step}, bits, num_threads);
+}
+
+void row_group_quantize(const void* x, groupquant::FloatKind kind, index_t n, index_t run, int bits,
+                        index_t group_size, std::uint64_t seed, bool stochastic, std::uint8_t* packed,
+                        std::uint16_t* lo, std::uint16_t* step, float* offsets, std::uint8_t* constant,
+                        int num_threads) {
+  if (n <= 0) return;
+  row_offsets(x, kind, n / run, run, offsets, constant, num_threads);
+  quantize_tasks(QuantArgs{x, kind, n, group_size, seed, stochastic, packed, lo, step, offsets, run}, bits,
+                 num_threads);
+}
+
+void row_group_dequantize(const std::uint8_t* packed, const std::uint16_t* lo, const std::uint16_t* step, int bits,
+                          index_t group_size, index_t n, index_t run, const float* offsets,
+                          const std::uint8_t* constant, groupquant::FloatKind kind, void* out, int num_threads) {
+  if (n <= 0) return;
+  const DequantArgs a{packed, lo, step, n, group_size, kind, out, offsets, constant, run};
+  const index_t rows = n / run;
+  const index_t per_task = std::max<index_t>(1, kTaskElems / run);
+  const index_t tasks = ceil_div(rows, per_task);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && tasks > 1)
+  for (index_t t = 0; t < tasks; ++t) restore_range(a, bits, t * per_task, std::min(rows, (t + 1) * per_task));
 }
 
 void group_dequantize(const std::uint8_t* packed, const std::uint16_t* lo, const std::uint16_t* step, int bits,

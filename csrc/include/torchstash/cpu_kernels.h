@@ -9,6 +9,7 @@
 #include "torchstash/channelquant.h"
 #include "torchstash/common.h"
 #include "torchstash/groupquant.h"
+#include "torchstash/signs.h"
 #include "torchstash/sparse.h"
 
 namespace torchstash {
@@ -33,6 +34,51 @@ void group_quantize(const void* x, groupquant::FloatKind kind, index_t n, int bi
 // out[0, n) (float32, float16 or bfloat16 per `kind`) <- the values group_quantize encoded.
 void group_dequantize(const std::uint8_t* packed, const std::uint16_t* lo, const std::uint16_t* step, int bits,
                       index_t group_size, index_t n, groupquant::FloatKind kind, void* out, int num_threads);
+
+// Rows of `run` elements centered on their offset (rowcenter.h): x[0, rows * run) (float32,
+// float16 or bfloat16 bits, per `kind`) -> centered[0, rows * run) (float32), offsets[0, rows),
+// constant[0, ceil(rows / 8)) (packed bits) and, unless `scales` is nullptr, scales[0, rows)
+// (the centered rows divided by them).
+void row_center(const void* x, groupquant::FloatKind kind, index_t rows, index_t run, float* centered,
+                float* offsets, std::uint8_t* constant, float* scales, int num_threads);
+
+// row_center's offsets and constant flags alone (no centered values written).
+void row_offsets(const void* x, groupquant::FloatKind kind, index_t rows, index_t run, float* offsets,
+                 std::uint8_t* constant, int num_threads);
+
+// group_quantize of row_center's centered values (no scales), without writing them: the rows'
+// offsets and constant flags first, then the codes of x minus its row's offset.
+void row_group_quantize(const void* x, groupquant::FloatKind kind, index_t n, index_t run, int bits,
+                        index_t group_size, std::uint64_t seed, bool stochastic, std::uint8_t* packed,
+                        std::uint16_t* lo, std::uint16_t* step, float* offsets, std::uint8_t* constant,
+                        int num_threads);
+
+// row_uncenter of group_dequantize's float32 values, without writing them: each row decoded
+// twice (its lane sums, then the output).
+void row_group_dequantize(const std::uint8_t* packed, const std::uint16_t* lo, const std::uint16_t* step, int bits,
+                          index_t group_size, index_t n, index_t run, const float* offsets,
+                          const std::uint8_t* constant, groupquant::FloatKind kind, void* out, int num_threads);
+
+// out[0, rows * run) (float32, float16 or bfloat16 per `kind`) <- the rows row_center centered,
+// from their decoded values (float32) and what it returned (scales nullptr: not scaled).
+void row_uncenter(const float* decoded, const float* offsets, const std::uint8_t* constant, const float* scales,
+                  index_t rows, index_t run, groupquant::FloatKind kind, void* out, int num_threads);
+
+// e4m3 codes with a per-group scale (fp8.h): codes[0, ceil(n / group_size) * group_size) (the
+// last group's padding coded as 0) and scale[0, ceil(n / group_size)) (bfloat16 bits) of
+// x[0, n) (float32, float16 or bfloat16 bits per `kind`).
+void fp8_quantize(const void* x, groupquant::FloatKind kind, index_t n, index_t group_size, std::uint8_t* codes,
+                  std::uint16_t* scale, int num_threads);
+
+// out[0, n) (float32, float16 or bfloat16 per `kind`) <- the values of codes[0, n).
+void fp8_dequantize(const std::uint8_t* codes, const std::uint16_t* scale, index_t n, index_t group_size,
+                    groupquant::FloatKind kind, void* out, int num_threads);
+
+// out[0, ceil(n / 8)) <- 1 bits where x[k] is above zero or NaN (signs.h), for x[0, n) of `kind`.
+void sign_pack(const void* x, SignKind kind, index_t n, std::uint8_t* out, int num_threads);
+
+// out[0, n) (of `kind`) <- 1.0 where the bit of packed is set, else 0.0.
+void sign_unpack(const std::uint8_t* packed, index_t n, SignKind kind, void* out, int num_threads);
 
 // Channel-wise 8-bit layout (channelquant.h): element i of x[0, n) belongs to channel
 // (i / inner) % channels; n is a multiple of inner * channels.

@@ -12,6 +12,7 @@
 #include "torchstash/channelquant.h"
 #include "torchstash/common.h"
 #include "torchstash/groupquant.h"
+#include "torchstash/signs.h"
 #include "torchstash/sparse.h"
 
 namespace torchstash {
@@ -40,6 +41,33 @@ cudaError_t launch_group_quantize(const void* x, groupquant::FloatKind kind, ind
 cudaError_t launch_group_dequantize(const std::uint8_t* packed, const std::uint16_t* lo, const std::uint16_t* step,
                                     int bits, index_t group_size, index_t n, groupquant::FloatKind kind, void* out,
                                     cudaStream_t stream);
+
+// Rows of `run` elements centered on their offset (rowcenter.h): centered[0, rows * run)
+// (float32), offsets[0, rows), constant[0, ceil(rows / 8)) (packed bits) and, unless nullptr,
+// scales[0, rows) of x (float32, __half or __nv_bfloat16 per `kind`).
+cudaError_t launch_row_center(const void* x, groupquant::FloatKind kind, index_t rows, index_t run, float* centered,
+                              float* offsets, std::uint8_t* constant, float* scales, cudaStream_t stream);
+
+// out[0, rows * run) (per `kind`) <- the rows row_center centered, from their decoded values.
+cudaError_t launch_row_uncenter(const float* decoded, const float* offsets, const std::uint8_t* constant,
+                                const float* scales, index_t rows, index_t run, groupquant::FloatKind kind, void* out,
+                                cudaStream_t stream);
+
+// e4m3 codes with a per-group scale (fp8.h): codes[0, ceil(n / group_size) * group_size) and
+// scale[0, ceil(n / group_size)) (bfloat16 bits) of x[0, n).
+cudaError_t launch_fp8_quantize(const void* x, groupquant::FloatKind kind, index_t n, index_t group_size,
+                                std::uint8_t* codes, std::uint16_t* scale, cudaStream_t stream);
+
+// out[0, n) (per `kind`) <- the values of codes[0, n).
+cudaError_t launch_fp8_dequantize(const std::uint8_t* codes, const std::uint16_t* scale, index_t n,
+                                  index_t group_size, groupquant::FloatKind kind, void* out, cudaStream_t stream);
+
+// out[0, ceil(n / 8)) <- 1 bits where x[k] is above zero or NaN (signs.h).
+cudaError_t launch_sign_pack(const void* x, SignKind kind, index_t n, std::uint8_t* out, cudaStream_t stream);
+
+// out[0, n) (of `kind`) <- 1.0 where the bit is set, else 0.0.
+cudaError_t launch_sign_unpack(const std::uint8_t* packed, index_t n, SignKind kind, void* out,
+                               cudaStream_t stream);
 
 // Channel-wise 8-bit layout (channelquant.h): element i of x[0, n) belongs to channel
 // (i / inner) % channels; n is a multiple of inner * channels.

@@ -25,6 +25,10 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 class LegacyMesa(MesaQuantizer):
     """compress/decompress exactly as they were written before the kernels."""
 
+    def _legacy_groups(self, channels: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        k = self._group_count(channels)
+        return torch.arange(channels, device=device) * k // channels, k
+
     def _legacy_observe(
         self, x: torch.Tensor, axis: int, gid: torch.Tensor, k: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +46,7 @@ class LegacyMesa(MesaQuantizer):
     def compress(self, x: torch.Tensor, site: Site) -> Packed:
         axis = self._axis(x)
         channels = x.shape[axis]
-        gid, k = self._group_of_channel(channels, x.device)
+        gid, k = self._legacy_groups(channels, x.device)
         gmin, gmax = self._legacy_observe(x, axis, gid, k)
         lo, hi = self._running(site, gmin, gmax)
         seen = gmin <= gmax
@@ -77,7 +81,7 @@ class LegacyMesa(MesaQuantizer):
         c = restore(codes, packed.shape, order if isinstance(order, tuple) else None)
         axis = int(packed.meta["axis"])  # type: ignore[arg-type]
         channels = packed.shape[axis]
-        gid, _ = self._group_of_channel(channels, codes.device)
+        gid, _ = self._legacy_groups(channels, codes.device)
         shape = [1] * len(packed.shape)
         shape[axis] = channels
         val = lo[gid].view(shape) + c.float() * step[gid].view(shape)

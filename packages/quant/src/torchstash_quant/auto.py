@@ -57,6 +57,7 @@ from torchstash.packed import Packed
 from torchstash.site import Site
 
 from ._options import BITS, check_group_size
+from .centered import center_rows
 from .groupwise import GroupQuantizer
 from .rows import PLANE_NORM_OPS, ROW_NORM_OPS
 
@@ -204,6 +205,8 @@ class AutoQuantizer(BaseCompressor):
 
     lossless = False
     aligns_groups = True
+    #: :meth:`compress` takes ``rows=`` (see :class:`GroupQuantizer`)
+    centers_rows = True
 
     def __init__(
         self,
@@ -328,7 +331,10 @@ class AutoQuantizer(BaseCompressor):
         *,
         bits: int | None = None,
         group_size: int | None = None,
+        rows: int | None = None,
     ) -> Packed:
+        """``rows``: as :meth:`GroupQuantizer.compress` (one kernel call), except in a
+        measured step, whose statistics are of the centered values themselves."""
         key = site.key
         with self._lock:
             if key in self._seen:
@@ -337,13 +343,23 @@ class AutoQuantizer(BaseCompressor):
             measuring = self._measuring
             width = bits or self._width(x, site)
             self._running.add(x.numel(), width)
-        packed = self.codec.compress(x, site, bits=width, group_size=group_size)
+        if rows is not None and measuring and x.numel() > 0:
+            centered, offsets, constant, _ = center_rows(x, rows)
+            packed = self.codec.compress(centered, site, bits=width, group_size=group_size)
+            self._measure(centered, site, packed, width, group_size is not None)
+            packed.tensors.update(offset=offsets, constant=constant)
+            packed.dtype = x.dtype
+            return packed
+        packed = self.codec.compress(x, site, bits=width, group_size=group_size, rows=rows)
         if measuring and x.numel() > 0:
             self._measure(x, site, packed, width, group_size is not None)
         return packed
 
     def decompress(self, packed: Packed) -> torch.Tensor:
         return self.codec.decompress(packed)
+
+    def decompress_rows(self, packed: Packed, shape: torch.Size) -> torch.Tensor:
+        return self.codec.decompress_rows(packed, shape)
 
     # -- measurement ---------------------------------------------------------------------------
 

@@ -10,19 +10,15 @@ So NaN and Inf come back where they were, with no host synchronisation.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from torchstash.compressor import BaseCompressor
-from torchstash.kernels.groupquant_reference import bf16_up
+from torchstash.kernels import fp8_dequantize, fp8_quantize
 from torchstash.layout import memory_order, restore
 from torchstash.packed import Packed
 from torchstash.site import Site
 
 from ._dtypes import dtype_reasons
 from ._options import check_group_size
-
-E4M3 = torch.float8_e4m3fn
-_POS_INF, _NEG_INF, _NAN = 0x78, 0xF8, 0x7F
 
 
 class Fp8Quantizer(BaseCompressor):
@@ -36,34 +32,17 @@ class Fp8Quantizer(BaseCompressor):
         return dtype_reasons(self, self.name, x.dtype)
 
     def compress(self, x: torch.Tensor, site: Site) -> Packed:
+        """One kernel pass (:func:`torchstash.kernels.fp8_quantize`). The codes are those of
+        whole groups, the padding's included, as they always were stored."""
         flat, inverse = memory_order(x)
-        n, gs = x.numel(), self.group_size
-        groups = -(-n // gs)
-        v = F.pad(flat.reshape(-1).float(), (0, groups * gs - n)).view(groups, gs)
-        finite = v.isfinite()
-        special = ~finite.all(dim=1, keepdim=True)
-        amax = torch.where(finite, v.abs(), 0.0).amax(dim=1, keepdim=True)
-        top = torch.where(special, 240.0, 448.0)
-        scale = bf16_up(torch.where(amax > 0, amax / top, 1.0))
-        codes = (torch.where(finite, v, 0.0) / scale).to(E4M3).view(torch.uint8)
-        codes = torch.where(v == float("inf"), _POS_INF, codes)
-        codes = torch.where(v == float("-inf"), _NEG_INF, codes)
-        codes = torch.where(v.isnan(), _NAN, codes).to(torch.uint8)
-        stored_scale = torch.where(special, -scale, scale).to(torch.bfloat16).view(-1)
-        packed = Packed.like(x, self.name, codes=codes.view(-1)[:n], scale=stored_scale)
-        packed.meta.update(group_size=gs, order=inverse)
+        codes, scale = fp8_quantize(flat, self.group_size)
+        packed = Packed.like(x, self.name, codes=codes[: x.numel()], scale=scale)
+        packed.meta.update(group_size=self.group_size, order=inverse)
         return packed
 
     def decompress(self, packed: Packed) -> torch.Tensor:
         codes, scale = packed.tensors["codes"], packed.tensors["scale"]
         assert isinstance(codes, torch.Tensor) and isinstance(scale, torch.Tensor)
-        n, gs = packed.numel, self.group_size
-        gid = torch.arange(n, device=codes.device) // gs
-        s = scale.float()[gid]
-        special = torch.signbit(s)
-        val = codes.view(E4M3).float() * s.abs()
-        val = torch.where(special & (codes == _POS_INF), float("inf"), val)
-        val = torch.where(special & (codes == _NEG_INF), float("-inf"), val)
+        flat = fp8_dequantize(codes, scale, self.group_size, packed.numel, packed.dtype)
         order = packed.meta.get("order")
-        flat = val.to(packed.dtype)
         return restore(flat, packed.shape, order if isinstance(order, tuple) else None)

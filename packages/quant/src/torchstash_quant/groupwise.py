@@ -12,7 +12,12 @@ from __future__ import annotations
 import torch
 
 from torchstash.compressor import BaseCompressor
-from torchstash.kernels import group_dequantize, group_quantize
+from torchstash.kernels import (
+    group_dequantize,
+    group_quantize,
+    row_group_dequantize,
+    row_group_quantize,
+)
 from torchstash.layout import memory_order, restore
 from torchstash.packed import Packed
 from torchstash.seeds import SeedStream
@@ -20,6 +25,7 @@ from torchstash.site import Site
 
 from ._dtypes import dtype_reasons
 from ._options import check_bits, check_group_size
+from .centered import center_rows
 
 
 class GroupQuantizer(BaseCompressor):
@@ -29,6 +35,9 @@ class GroupQuantizer(BaseCompressor):
     #: where no group size fits a normalization's rows, its groups span rows with one step:
     #: the rows are scaled to one range first (.centered)
     scales_rows = True
+    #: :meth:`compress` takes ``rows=``: rows centered on their offsets (.centered) and coded
+    #: in one kernel call, undone by :meth:`decompress_rows`
+    centers_rows = True
 
     def __init__(
         self,
@@ -54,11 +63,24 @@ class GroupQuantizer(BaseCompressor):
         *,
         bits: int | None = None,
         group_size: int | None = None,
+        rows: int | None = None,
     ) -> Packed:
         """``bits`` and ``group_size`` override the codec's own for this tensor (mixed
-        precision, groups aligned to normalized rows); both are kept in the record."""
+        precision, groups aligned to normalized rows); both are kept in the record. With
+        ``rows``, ``x`` less each ``rows``-element row's offset is coded (:mod:`.centered`),
+        the offsets and constant flags in the record too: one kernel call
+        (:func:`~torchstash.kernels.row_group_quantize`) where two wrote and read the
+        centered values."""
         bits = bits or self.bits
         group_size = group_size or self.group_size
+        if rows is not None and bits > 1:
+            return self._compress_rows(x, rows, bits, group_size)
+        if rows is not None:  # 1 bit may go to 2 (below): centered values first
+            centered, offsets, constant, _ = center_rows(x, rows)
+            packed = self.compress(centered, site, bits=bits, group_size=group_size)
+            packed.tensors.update(offset=offsets, constant=constant)
+            packed.dtype = x.dtype
+            return packed
         flat, inverse = memory_order(x)
         seed = self.seeds.next()
         codes, lo, step = group_quantize(
@@ -75,6 +97,35 @@ class GroupQuantizer(BaseCompressor):
         packed = Packed.like(x, self.name, codes=codes, lo=lo, step=step)
         packed.meta.update(bits=bits, group_size=group_size, order=inverse)
         return packed
+
+    def _compress_rows(self, x: torch.Tensor, rows: int, bits: int, group_size: int) -> Packed:
+        """The record :meth:`compress` makes of ``center_rows(x, rows)``'s values, with the
+        offsets and flags, from one kernel call (bit for bit the same)."""
+        codes, lo, step, offsets, constant = row_group_quantize(
+            x, rows, bits, group_size, seed=self.seeds.next(), stochastic=self.stochastic
+        )
+        packed = Packed.like(
+            x, self.name, codes=codes, lo=lo, step=step, offset=offsets, constant=constant
+        )
+        packed.meta.update(bits=bits, group_size=group_size, order=None)
+        return packed
+
+    def decompress_rows(self, packed: Packed, shape: torch.Size) -> torch.Tensor:
+        """A ``rows=`` record decoded and restored (offsets put back: :mod:`.centered`) in
+        one kernel call, shaped ``shape`` (the stored order), in the record's dtype."""
+        names = ("codes", "lo", "step", "offset", "constant")
+        codes, lo, step, offsets, constant = (packed.tensors[k] for k in names)
+        assert isinstance(codes, torch.Tensor) and isinstance(lo, torch.Tensor)
+        assert isinstance(step, torch.Tensor) and isinstance(offsets, torch.Tensor)
+        assert isinstance(constant, torch.Tensor)
+        bits, group_size = packed.meta["bits"], packed.meta["group_size"]
+        assert isinstance(bits, int) and isinstance(group_size, int)
+        n = packed.numel
+        run = n // max(offsets.numel(), 1)
+        flat = row_group_dequantize(
+            codes, lo, step, offsets, constant, bits, group_size, run, n, packed.dtype
+        )
+        return flat.view(shape)
 
     def decompress(self, packed: Packed) -> torch.Tensor:
         codes, lo, step = (packed.tensors[k] for k in ("codes", "lo", "step"))

@@ -47,6 +47,11 @@ def _inner(shape: torch.Size, axis: int, inverse: tuple[int, ...] | None) -> int
     return math.prod(shape[d] for d in range(len(shape)) if inverse[d] > inverse[axis])
 
 
+def _per_channel(values: torch.Tensor, gid: torch.Tensor | None) -> torch.Tensor:
+    """A per-group vector read per channel (itself when each channel is a group)."""
+    return values if gid is None else values[gid]
+
+
 class MesaQuantizer(BaseCompressor):
     name = "quant.mesa"
     lossless = False
@@ -87,6 +92,8 @@ class MesaQuantizer(BaseCompressor):
         self.seeds = SeedStream(seed)
         self.state: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()
+        #: (channels, device) -> (group of each channel or None when it is the channel, k)
+        self._groups: dict[tuple[int, torch.device], tuple[torch.Tensor | None, int]] = {}
 
     def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
         reasons = dtype_reasons(self, self.name, x.dtype)
@@ -99,20 +106,33 @@ class MesaQuantizer(BaseCompressor):
     def _axis(self, x: torch.Tensor) -> int:
         return 1 if x.dim() == 4 else x.dim() - 1
 
-    def _group_of_channel(self, channels: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    def _group_count(self, channels: int) -> int:
         if self.group_size is not None:
-            k = -(-channels // self.group_size)
-        else:
-            k = min(
-                self.groups or channels, channels, MAX_GROUPS if self.groups is None else channels
-            )
-        return torch.arange(channels, device=device) * k // channels, k
+            return -(-channels // self.group_size)
+        return min(
+            self.groups or channels, channels, MAX_GROUPS if self.groups is None else channels
+        )
+
+    def _group_of_channel(
+        self, channels: int, device: torch.device
+    ) -> tuple[torch.Tensor | None, int]:
+        """Each channel's group (None where every channel is its own group: no gathers), and
+        the group count; built once per channel count and device."""
+        key = (channels, device)
+        hit = self._groups.get(key)
+        if hit is None:
+            k = self._group_count(channels)
+            gid = None if k == channels else torch.arange(channels, device=device) * k // channels
+            hit = self._groups[key] = (gid, k)
+        return hit
 
     def _observe(
-        self, flat: torch.Tensor, inner: int, channels: int, gid: torch.Tensor, k: int
+        self, flat: torch.Tensor, inner: int, channels: int, gid: torch.Tensor | None, k: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-group min and max of the finite values (+inf/-inf where a group has none)."""
         cmin, cmax = channel_minmax(flat, inner, channels)
+        if gid is None:
+            return cmin, cmax
         gmin = torch.full((k,), float("inf"), device=flat.device).scatter_reduce(
             0, gid, cmin, "amin"
         )
@@ -154,9 +174,14 @@ class MesaQuantizer(BaseCompressor):
         step = torch.clamp(hi - lo, min=0.0) / LEVELS
         seed = self.seeds.next() if self.stochastic else 0  # one uniform per element
         codes = channel_quantize(
-            flat, lo[gid], step[gid], inner, seed=seed, stochastic=self.stochastic
+            flat,
+            _per_channel(lo, gid),
+            _per_channel(step, gid),
+            inner,
+            seed=seed,
+            stochastic=self.stochastic,
         )
-        packed = Packed.like(x, self.name, codes=codes, lo=lo.clone(), step=step)
+        packed = Packed.like(x, self.name, codes=codes, lo=lo, step=step)
         packed.meta.update(axis=axis, order=inverse)
         return packed
 
@@ -170,5 +195,7 @@ class MesaQuantizer(BaseCompressor):
         channels = packed.shape[axis]
         gid, _ = self._group_of_channel(channels, codes.device)
         inner = _inner(packed.shape, axis, inverse)
-        flat = channel_dequantize(codes, lo[gid], step[gid], inner, packed.dtype)
+        flat = channel_dequantize(
+            codes, _per_channel(lo, gid), _per_channel(step, gid), inner, packed.dtype
+        )
         return restore(flat, packed.shape, inverse)

@@ -33,11 +33,10 @@ import torch
 
 from torchstash.compressor import BaseCompressor, Compressor
 from torchstash.packed import Packed
-from torchstash.signs import pack_sign, unpack_sign
 from torchstash.site import Site
 
 from ._dtypes import dtype_reasons
-from .centered import MIN_CENTERED_ROW, center_rows, scale_rows, uncenter, unscale_rows
+from .centered import MIN_CENTERED_ROW, center_rows, uncenter
 from .derivs import ACT_OPS, DERIV_OPS, DerivCoder, unpack_derivative
 from .derivs import CODEC as DERIV_CODEC
 from .groupwise import GroupQuantizer
@@ -46,8 +45,10 @@ from .masks import (
     SIGN_OPS,
     pack_bool,
     pack_scaled_mask,
+    pack_signs,
     unpack_bool,
     unpack_scaled_mask,
+    unpack_signs,
 )
 from .pool import CODEC as POOL_CODEC
 from .pool import POOL_FUNCS, pack_pool_positions, pool_geometry, unpack_pool_positions
@@ -280,7 +281,7 @@ class OpAware(BaseCompressor):
         if kind == "bool":
             return pack_bool(x)
         if kind == "sign":
-            return pack_sign(x, SIGN_CODEC)
+            return pack_signs(x, SIGN_CODEC)
         if kind == "dropmask":
             return pack_scaled_mask(x)
         if kind == "pool":
@@ -337,12 +338,17 @@ class OpAware(BaseCompressor):
         """A normalization input coded relative to each normalized row (:mod:`.centered`):
         in row-aligned groups where the codec takes them, else by the ``norms`` codec or the
         codec itself."""
-        centered, offsets, constant = center_rows(x, run)
         aligned = self._aligned(run)
+        if aligned is not None and getattr(self.values, "centers_rows", False):
+            packed = self.values.compress(  # type: ignore[call-arg]
+                x, site, group_size=aligned, bits=self._stand_in_bits(site), rows=run
+            )  # one kernel call: the centering is the codec's
+            packed.meta["centered"] = True
+            packed.dtype = x.dtype
+            return packed
         codec = self.values if aligned is not None or self.norms is None else self.norms
-        scales = None
-        if aligned is None and getattr(codec, "scales_rows", False):
-            centered, scales = scale_rows(centered, run)
+        scale = aligned is None and bool(getattr(codec, "scales_rows", False))
+        centered, offsets, constant, scales = center_rows(x, run, scale)
         if aligned is not None:
             packed = self.values.compress(  # type: ignore[call-arg]
                 centered, site, group_size=aligned, bits=self._stand_in_bits(site)
@@ -369,7 +375,7 @@ class OpAware(BaseCompressor):
         if packed.codec == "quant.bool":
             return unpack_bool(packed)
         if packed.codec == SIGN_CODEC:
-            return unpack_sign(packed)
+            return unpack_signs(packed)
         if packed.codec == "quant.scaled_mask":
             return unpack_scaled_mask(packed)
         if packed.codec == DERIV_CODEC:
@@ -384,18 +390,22 @@ class OpAware(BaseCompressor):
 
     def _decompress_centered(self, packed: Packed) -> torch.Tensor:
         """:meth:`_compress_centered` undone: the float32 centered values decoded, each
-        row's offset added back, and a channel-major tensor turned back to ``(N, C, ...)``."""
+        row's offset added back, and a channel-major tensor turned back to ``(N, C, ...)``;
+        by the value codec in one call where it centered the rows itself."""
+        shape, major = packed.shape, bool(packed.meta.get("channel_major"))
+        if major:
+            shape = torch.Size([shape[1], shape[0], *shape[2:]])
+        restore_rows = getattr(self.values, "decompress_rows", None)
+        fused = "row_scale" not in packed.tensors and not packed.meta.get("norm")
+        if fused and restore_rows is not None and not packed.meta.get("scores"):
+            x = restore_rows(packed, shape)
+            return x.transpose(0, 1) if major else x
         tensors = dict(packed.tensors)
         offsets, constant = tensors.pop("offset"), tensors.pop("constant")
         assert isinstance(offsets, torch.Tensor) and isinstance(constant, torch.Tensor)
         scales = tensors.pop("row_scale", None)
+        assert scales is None or isinstance(scales, torch.Tensor)
         meta = {k: v for k, v in packed.meta.items() if k not in ("centered", "channel_major")}
-        shape, major = packed.shape, bool(packed.meta.get("channel_major"))
-        if major:
-            shape = torch.Size([shape[1], shape[0], *shape[2:]])
         inner = replace(packed, shape=shape, dtype=torch.float32, tensors=tensors, meta=meta)
-        decoded = self.decompress(inner)
-        if isinstance(scales, torch.Tensor):
-            decoded = unscale_rows(decoded, scales)
-        x = uncenter(decoded, offsets, constant, packed.dtype)
+        x = uncenter(self.decompress(inner), offsets, constant, scales, packed.dtype)
         return x.transpose(0, 1) if major else x

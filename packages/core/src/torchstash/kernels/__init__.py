@@ -4,6 +4,9 @@
 draws reproducible random numbers, ``group_quantize``/``group_dequantize`` store floats
 at 1-8 bits with per-group stochastic rounding, ``channel_minmax``/``channel_quantize``/
 ``channel_dequantize`` store them at 8 bits with a scale per channel (Mesa's layout),
+``fp8_quantize``/``fp8_dequantize`` as e4m3 codes with a scale per group,
+``row_center``/``row_uncenter`` take each row's offset off a normalization's input and put it
+back (``row_group_quantize``/``row_group_dequantize``: fused with the group codes), ``sign_pack``/``sign_unpack`` keep where a tensor is above zero as one bit per element,
 ``topk_mask``/``mask_compact``/``mask_scatter``/``mask_offsets``/``offsets_scatter`` keep the
 ``k`` largest magnitudes per segment as a 1-bit mask or 16-bit offsets plus values; each
 runs a JIT-built C++/CUDA kernel when one is available (see ``status()``) and the
@@ -13,11 +16,13 @@ pure-PyTorch reference (``torchstash.kernels.reference`` and the ``*_reference``
 from __future__ import annotations
 
 from ._dispatch import Impl
-from .bitpack import pack_bits, pack_mask, unpack_bits, unpack_mask
+from .bitpack import pack_bits, pack_mask, sign_pack, sign_unpack, unpack_bits, unpack_mask
 from .channelquant import channel_dequantize, channel_minmax, channel_quantize
+from .fp8 import fp8_dequantize, fp8_quantize
 from .groupquant import group_dequantize, group_quantize, group_steps
 from .loader import available, load, status
 from .philox import philox_uniform
+from .rowcenter import row_center, row_group_dequantize, row_group_quantize, row_uncenter
 from .sparse import (
     OFFSET_BLOCK,
     mask_compact,
@@ -34,6 +39,8 @@ __all__ = [
     "channel_dequantize",
     "channel_minmax",
     "channel_quantize",
+    "fp8_dequantize",
+    "fp8_quantize",
     "group_dequantize",
     "group_quantize",
     "group_steps",
@@ -45,6 +52,12 @@ __all__ = [
     "pack_bits",
     "pack_mask",
     "philox_uniform",
+    "row_center",
+    "row_group_dequantize",
+    "row_group_quantize",
+    "row_uncenter",
+    "sign_pack",
+    "sign_unpack",
     "status",
     "topk_mask",
     "unpack_bits",

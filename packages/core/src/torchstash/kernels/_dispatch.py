@@ -11,6 +11,11 @@ from . import loader
 Impl = Literal["auto", "ref", "kernel"]
 IMPLS = ("auto", "ref", "kernel")
 
+#: ``auto``'s answer per device, with the build outcome it was read from: every code calls
+#: here once or twice per saved tensor, and asking the loader again cost several
+#: microseconds a call (more inside a training step, with the caches cold).
+_answers: dict[tuple[str, object], tuple[object, bool]] = {}
+
 
 def use_kernel(impl: str, device: torch.device | str) -> bool:
     """``ref``: never. ``auto``: when available (``require`` mode makes it strict).
@@ -23,7 +28,20 @@ def use_kernel(impl: str, device: torch.device | str) -> bool:
         return False
     if impl == "auto" and torch.compiler.is_compiling():
         return False  # inside a compiled graph the reference's ops are fused by the compiler
-    if impl == "auto" and loader.mode() != "require":
-        return loader.available(device)
+    mode = loader.mode()
+    if impl == "auto" and mode != "require":
+        return _available(mode, device)
     loader.require(device)
     return True
+
+
+def _available(mode: str, device: torch.device | str) -> bool:
+    """``loader.available(device)`` in ``mode``, remembered while the loader keeps the same
+    outcome (a reset or a rebuild makes a new one)."""
+    outcome = loader._outcome
+    hit = _answers.get((mode, device))
+    if hit is not None and outcome is not None and hit[0] is outcome:
+        return hit[1]
+    answer = loader.available(device)
+    _answers[(mode, device)] = (loader._outcome, answer)
+    return answer

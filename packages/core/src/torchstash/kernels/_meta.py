@@ -107,6 +107,110 @@ def _channel_dequantize_fake(
     return codes.new_empty((codes.numel(),), dtype=dtype)
 
 
+def _row_center_fake(
+    x: torch.Tensor, run: int, scale: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch._check(
+        x.dtype in _FLOATS, lambda: f"x must be float32, float16 or bfloat16, got {x.dtype}"
+    )
+    torch._check(run >= 1, lambda: f"run must be >= 1, got {run}")
+    rows = x.numel() // run
+    return (
+        x.new_empty((x.numel(),), dtype=torch.float32),
+        x.new_empty((rows,), dtype=torch.float32),
+        x.new_empty(((rows + 7) // 8,), dtype=torch.uint8),
+        x.new_empty((rows if scale else 0,), dtype=torch.float32),
+    )
+
+
+def _row_uncenter_fake(
+    decoded: torch.Tensor,
+    offsets: torch.Tensor,
+    constant: torch.Tensor,
+    scales: torch.Tensor,
+    run: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    torch._check(
+        decoded.dtype == torch.float32, lambda: f"decoded must be float32, got {decoded.dtype}"
+    )
+    torch._check(run >= 1, lambda: f"run must be >= 1, got {run}")
+    torch._check(
+        dtype in _FLOATS, lambda: f"dtype must be float32, float16 or bfloat16, got {dtype}"
+    )
+    return decoded.new_empty((decoded.numel(),), dtype=dtype)
+
+
+def _row_group_quantize_fake(
+    x: torch.Tensor, run: int, bits: int, group_size: int, seed: int, stochastic: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch._check(run >= 1, lambda: f"run must be >= 1, got {run}")
+    packed, lo, step = _group_quantize_fake(x, bits, group_size, seed, stochastic)
+    rows = x.numel() // run
+    return (
+        packed,
+        lo,
+        step,
+        x.new_empty((rows,), dtype=torch.float32),
+        x.new_empty(((rows + 7) // 8,), dtype=torch.uint8),
+    )
+
+
+def _row_group_dequantize_fake(
+    packed: torch.Tensor,
+    lo: torch.Tensor,
+    step: torch.Tensor,
+    offsets: torch.Tensor,
+    constant: torch.Tensor,
+    bits: int,
+    group_size: int,
+    run: int,
+    numel: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    torch._check(run >= 1, lambda: f"run must be >= 1, got {run}")
+    return _group_dequantize_fake(packed, lo, step, bits, group_size, numel, dtype)
+
+
+def _fp8_quantize_fake(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch._check(
+        x.dtype in _FLOATS, lambda: f"x must be float32, float16 or bfloat16, got {x.dtype}"
+    )
+    torch._check(group_size >= 1, lambda: f"group_size must be >= 1, got {group_size}")
+    groups = (x.numel() + group_size - 1) // group_size
+    return (
+        x.new_empty((groups * group_size,), dtype=torch.uint8),
+        x.new_empty((groups,), dtype=torch.bfloat16),
+    )
+
+
+def _fp8_dequantize_fake(
+    codes: torch.Tensor, scale: torch.Tensor, group_size: int, numel: int, dtype: torch.dtype
+) -> torch.Tensor:
+    torch._check(codes.dtype == torch.uint8, lambda: f"codes must be uint8, got {codes.dtype}")
+    torch._check(
+        scale.dtype == torch.bfloat16, lambda: f"scale must be bfloat16, got {scale.dtype}"
+    )
+    torch._check(
+        dtype in _FLOATS, lambda: f"dtype must be float32, float16 or bfloat16, got {dtype}"
+    )
+    return codes.new_empty((numel,), dtype=dtype)
+
+
+_SIGN_FLOATS = (*_FLOATS, torch.float64)
+
+
+def _sign_pack_fake(x: torch.Tensor) -> torch.Tensor:
+    torch._check(x.dtype in _SIGN_FLOATS, lambda: f"x must be a float tensor, got {x.dtype}")
+    return x.new_empty(((x.numel() + 7) // 8,), dtype=torch.uint8)
+
+
+def _sign_unpack_fake(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    torch._check(packed.dtype == torch.uint8, lambda: f"packed must be uint8, got {packed.dtype}")
+    torch._check(dtype in _SIGN_FLOATS, lambda: f"dtype must be a float dtype, got {dtype}")
+    return packed.new_empty((numel,), dtype=dtype)
+
+
 _OFFSET_BLOCK = 1 << 16
 
 
@@ -205,6 +309,15 @@ def register() -> None:
         torch.library.register_fake("torchstash::channel_minmax", _channel_minmax_fake)
         torch.library.register_fake("torchstash::channel_quantize", _channel_quantize_fake)
         torch.library.register_fake("torchstash::channel_dequantize", _channel_dequantize_fake)
+    if _op_defined("fp8_quantize"):
+        torch.library.register_fake("torchstash::row_center", _row_center_fake)
+        torch.library.register_fake("torchstash::row_uncenter", _row_uncenter_fake)
+        torch.library.register_fake("torchstash::row_group_quantize", _row_group_quantize_fake)
+        torch.library.register_fake("torchstash::row_group_dequantize", _row_group_dequantize_fake)
+        torch.library.register_fake("torchstash::fp8_quantize", _fp8_quantize_fake)
+        torch.library.register_fake("torchstash::fp8_dequantize", _fp8_dequantize_fake)
+        torch.library.register_fake("torchstash::sign_pack", _sign_pack_fake)
+        torch.library.register_fake("torchstash::sign_unpack", _sign_unpack_fake)
     if _op_defined("topk_mask"):
         torch.library.register_fake("torchstash::topk_mask", _topk_mask_fake)
         torch.library.register_fake("torchstash::mask_compact", _mask_compact_fake)

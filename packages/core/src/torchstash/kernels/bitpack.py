@@ -10,9 +10,12 @@ import torch
 
 from ._checks import check_bits, check_codes, check_numel, check_packed
 from ._dispatch import Impl, use_kernel
-from .reference import pack_bits_ref, unpack_bits_ref
+from .reference import pack_bits_ref, sign_pack_ref, sign_unpack_ref, unpack_bits_ref
 
-__all__ = ["pack_bits", "pack_mask", "unpack_bits", "unpack_mask"]
+__all__ = ["pack_bits", "pack_mask", "sign_pack", "sign_unpack", "unpack_bits", "unpack_mask"]
+
+#: What sign bits read and write (a ReLU's saved output, in any float type).
+SIGN_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def pack_bits(codes: torch.Tensor, bits: int, *, impl: Impl = "auto") -> torch.Tensor:
@@ -55,3 +58,31 @@ def unpack_mask(packed: torch.Tensor, numel: int, *, impl: Impl = "auto") -> tor
     if torch.compiler.is_compiling():
         return codes != 0  # fuses; inductor cannot vectorize a uint8-to-bool bitcast
     return codes.view(torch.bool)
+
+
+def sign_pack(x: torch.Tensor, *, impl: Impl = "auto") -> torch.Tensor:
+    """Where float ``x`` (any shape; ``x.contiguous()`` order) is above zero or NaN, packed one
+    bit per element (1-D uint8, ``ceil(numel / 8)`` bytes): ``pack_mask(~(x <= 0))`` in one
+    pass, with no bool tensor in between."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in SIGN_DTYPES:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"sign_pack: x must be a float tensor, got {got}")
+    if use_kernel(impl, x.device):
+        out: torch.Tensor = torch.ops.torchstash.sign_pack(x)
+        return out
+    return sign_pack_ref(x)
+
+
+def sign_unpack(
+    packed: torch.Tensor, numel: int, dtype: torch.dtype, *, impl: Impl = "auto"
+) -> torch.Tensor:
+    """1.0 where :func:`sign_pack`'s bit is set, else 0.0 (1-D ``dtype`` of ``numel``), in one
+    pass."""
+    check_numel(numel, op="sign_unpack")
+    check_packed(packed, 1, numel, op="sign_unpack")
+    if dtype not in SIGN_DTYPES:
+        raise TypeError(f"sign_unpack: dtype must be a float dtype, got {dtype}")
+    if use_kernel(impl, packed.device):
+        out: torch.Tensor = torch.ops.torchstash.sign_unpack(packed, numel, dtype)
+        return out
+    return sign_unpack_ref(packed, numel, dtype)

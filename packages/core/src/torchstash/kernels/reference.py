@@ -17,7 +17,14 @@ from ._checks import (
     packed_size,
 )
 
-__all__ = ["pack_bits_ref", "philox4x32_10", "philox_uniform_ref", "unpack_bits_ref"]
+__all__ = [
+    "pack_bits_ref",
+    "philox4x32_10",
+    "philox_uniform_ref",
+    "sign_pack_ref",
+    "sign_unpack_ref",
+    "unpack_bits_ref",
+]
 
 # Philox4x32-10 constants (Random123).
 M0, M1 = 0xD2511F53, 0xCD9E8D57
@@ -73,6 +80,17 @@ def unpack_bits_ref(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor
     codes = packed.unsqueeze(1) >> _shifts(bits, packed.device)
     codes &= (1 << bits) - 1
     return codes.view(-1)[:numel]
+
+
+def sign_pack_ref(x: torch.Tensor) -> torch.Tensor:
+    """Where float ``x`` is above zero, NaN included (``~(x <= 0)``), packed one bit per
+    element in ``x.contiguous()`` order: what a ReLU's backward reads of its output."""
+    return pack_bits_ref(~(x <= 0), 1)
+
+
+def sign_unpack_ref(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """1.0 where :func:`sign_pack_ref`'s bit is set, else 0.0: 1-D ``dtype`` of ``numel``."""
+    return unpack_bits_ref(packed, 1, numel).to(dtype)
 
 
 def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

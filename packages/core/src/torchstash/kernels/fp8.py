@@ -1,0 +1,67 @@
+"""Public e4m3 codes with a per-group scale (``quant.fp8``): the compiled kernel when it can
+run, else the reference.
+
+One byte per element, a float code (e4m3) whose scale per group of ``group_size`` maps the
+group's largest finite magnitude to 448; NaN and Inf keep reserved codes. One pass each way
+instead of a dozen full-size PyTorch passes. The bit-exact definition is
+:mod:`torchstash.kernels.fp8_reference` (and csrc/README.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._dispatch import Impl, use_kernel
+from .fp8_reference import fp8_dequantize_ref, fp8_quantize_ref
+from .groupquant import FLOAT_DTYPES
+
+__all__ = ["fp8_dequantize", "fp8_quantize"]
+
+
+def _check_group_size(group_size: object, *, op: str) -> int:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"{op}: group_size must be an int >= 1 (256 is usual), got {group_size!r}")
+    return group_size
+
+
+def fp8_quantize(
+    x: torch.Tensor, group_size: int = 256, *, impl: Impl = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scale)`` for float ``x`` (any shape and strides; ``x.contiguous()`` order):
+    uint8 codes of whole groups (``ceil(numel / group_size) * group_size``, the padding coded
+    as 0) and the bfloat16 scale of each group, negative for one holding NaN/Inf."""
+    op = "fp8_quantize"
+    _check_group_size(group_size, op=op)
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{op}: x must be a float32, float16 or bfloat16 tensor, got {got}")
+    if use_kernel(impl, x.device):
+        codes, scale = torch.ops.torchstash.fp8_quantize(x, group_size)
+        return codes, scale
+    return fp8_quantize_ref(x, group_size)
+
+
+def fp8_dequantize(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    group_size: int,
+    numel: int,
+    dtype: torch.dtype,
+    *,
+    impl: Impl = "auto",
+) -> torch.Tensor:
+    """The 1-D ``dtype`` tensor of the ``numel`` values :func:`fp8_quantize` coded, from its
+    first ``numel`` codes."""
+    op = "fp8_dequantize"
+    _check_group_size(group_size, op=op)
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.shape != (numel,):
+        got = f"{codes.dtype} {tuple(codes.shape)}" if isinstance(codes, torch.Tensor) else codes
+        raise ValueError(f"{op}: codes must be 1-D uint8 of {numel} codes, got {got}")
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: dtype must be float32, float16 or bfloat16, got {dtype}")
+    if use_kernel(impl, codes.device):
+        out: torch.Tensor = torch.ops.torchstash.fp8_dequantize(
+            codes, scale, group_size, numel, dtype
+        )
+        return out
+    return fp8_dequantize_ref(codes, scale, group_size, numel, dtype)
