@@ -13,16 +13,27 @@ import math
 import torch
 
 from .compressor import BaseCompressor
-from .kernels import pack_mask, unpack_mask
+from .kernels import pack_mask, sign_pack, sign_unpack, unpack_mask
 from .layout import memory_order, restore
 from .packed import Packed
 from .site import Site
 
+#: the dtypes the one-pass sign kernels take
+SIGN_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
 
 def pack_sign(x: torch.Tensor, codec: str = "sign") -> Packed:
-    """``x > 0`` (or NaN) as bits in ``x``'s memory order, recorded under ``codec``."""
-    dense, inverse = memory_order(~(x <= 0))
-    packed = Packed.like(x, codec, bits=pack_mask(dense))
+    """``x > 0`` (or NaN) as bits in ``x``'s memory order, recorded under ``codec``: one
+    kernel pass (:func:`~torchstash.kernels.sign_pack`) where ``x`` has a memory order and a
+    float dtype it takes; the compare, negation and packing otherwise (0.11 ms on a 1 MB ReLU
+    output, one thread, against 0.015)."""
+    dense, inverse = memory_order(x)
+    if x.dtype in SIGN_DTYPES and (inverse is not None or x.is_contiguous()):
+        bits = sign_pack(dense)
+    else:
+        dense, inverse = memory_order(~(x <= 0))
+        bits = pack_mask(dense)
+    packed = Packed.like(x, codec, bits=bits)
     packed.meta["order"] = inverse
     return packed
 
@@ -32,8 +43,10 @@ def unpack_sign(packed: Packed) -> torch.Tensor:
     bits = packed.tensors["bits"]
     order = packed.meta.get("order")
     assert isinstance(bits, torch.Tensor) and (order is None or isinstance(order, tuple))
-    shape = tuple(packed.shape)
-    mask = restore(unpack_mask(bits, math.prod(shape)), torch.Size(shape), order)
+    shape = torch.Size(tuple(packed.shape))
+    if packed.dtype in SIGN_DTYPES:
+        return restore(sign_unpack(bits, math.prod(shape), packed.dtype), shape, order)
+    mask = restore(unpack_mask(bits, math.prod(shape)), shape, order)
     return mask.to(packed.dtype)
 
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from torchstash.kernels import pack_mask, sign_pack, sign_unpack, unpack_mask
-from torchstash.layout import memory_order, restore
+from torchstash.kernels import pack_mask, unpack_mask
 from torchstash.packed import Packed
 from torchstash.signs import pack_sign, unpack_sign
 
@@ -28,28 +27,9 @@ def unpack_bool(packed: Packed) -> torch.Tensor:
     return unpack_mask(bits, packed.numel).view(packed.shape)
 
 
-def pack_signs(x: torch.Tensor, codec: str) -> Packed:
-    """:func:`torchstash.signs.pack_sign`'s record (``x > 0`` or NaN, one bit each in ``x``'s
-    memory order) in one kernel pass: the compare, the negation and the packing took three
-    (0.11 ms on a 1 MB ReLU output, one thread, against 0.015). A strided slice, which has no
-    memory order of its own, goes the core's way."""
-    dense, inverse = memory_order(x)
-    if inverse is None and not x.is_contiguous():
-        return pack_sign(x, codec)
-    packed = Packed.like(x, codec, bits=sign_pack(dense))
-    packed.meta["order"] = inverse
-    return packed
-
-
-def unpack_signs(packed: Packed) -> torch.Tensor:
-    """:func:`torchstash.signs.unpack_sign` (1.0 / 0.0 in the tensor's dtype and strides) in
-    one kernel pass."""
-    bits, order = packed.tensors["bits"], packed.meta.get("order")
-    assert isinstance(bits, torch.Tensor) and (order is None or isinstance(order, tuple))
-    if packed.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-        return unpack_sign(packed)
-    flat = sign_unpack(bits, packed.numel, packed.dtype)
-    return restore(flat, packed.shape, order)
+#: the core's sign bits, one kernel pass each way (kept under these names for the codes here)
+pack_signs = pack_sign
+unpack_signs = unpack_sign
 
 
 #: Ops whose saved float tensor is a scaled keep-mask: 0 or 1 / (1 - p) (dropout on CPU).
