@@ -293,6 +293,7 @@ def test_a_compressing_strategy_records_every_step(tracked: Tracked) -> None:
         counts = [tracked.during(lambda: grads(model, x)) for _ in range(4)]
         assert all(c > 0 for c in counts)
         assert handle.engine.replayer.trace is None
+        assert handle.engine.replayer.recorded == 2  # then no record is kept, to throw away
         assert handle.tally.stored_bytes < handle.tally.raw_bytes
 
 

@@ -46,6 +46,9 @@ PARAM, KEEP, SHARED, CODE = "param", "keep", "shared", "code"
 #: guard misses in a row after which an engine stops replaying
 MAX_MISSES = 3
 
+#: after two recorded forwards in a row that could not replay, one forward in this many records
+RETRY_EVERY = 64
+
 #: why the saves after a guard miss are kept as they are (a row's ``declined`` reason)
 MISSED_REASON = "recorded again after a change (a guard missed)"
 
@@ -254,8 +257,18 @@ class Replayer:
         #: guard misses since the last whole replayed forward; at :data:`MAX_MISSES` the
         #: engine stops replaying (a model whose saves change every step or two)
         self.misses_in_a_row = 0
+        #: recorded forwards in a row that could not replay (a code that reads the op call)
+        self.refused_in_a_row = 0
+        self._forwards = 0
 
     # -- recording ---------------------------------------------------------------------------
+
+    def wants_recording(self) -> bool:
+        """Whether the next full-path forward records its moves: after two in a row that
+        could not replay, one in :data:`RETRY_EVERY` (a quant model's forwards would only pay
+        for a record they throw away)."""
+        self._forwards += 1
+        return self.refused_in_a_row < 2 or self._forwards % RETRY_EVERY == 0
 
     def finish_recording(self, rec: Recorder) -> None:
         """A recorded forward ended: two in a row that agree, and replay well, make the
@@ -270,7 +283,9 @@ class Replayer:
             or not rec.settle()
         ):
             self._last = None
+            self.refused_in_a_row += 1
             return
+        self.refused_in_a_row = 0
         for move in rec.moves:
             if move.kind == SHARED:
                 rec.moves[move.shares].keyed = True

@@ -129,7 +129,8 @@ class Scoping:
             tls.missed = False
             trace = self.replayer.trace
             tls.replaying = trace
-            tls.recorder = None if trace is not None else Recorder.start(self.tally)
+            recording = trace is None and self.replayer.wants_recording()
+            tls.recorder = Recorder.start(self.tally) if recording else None
             if trace is not None:
                 tls.position = 0
                 tls.bases = {}
