@@ -178,8 +178,10 @@ class Recorder:
     bases: dict[int, int] = field(default_factory=dict)
     #: False once a save was decided in a way that does not replay
     replayable: bool = True
-    #: the entry of each move, while recording (to find a SHARED move's target)
+    #: the entry of each move, while recording, and each entry's position (a SHARED move's
+    #: target)
     entries: list[Entry | None] = field(default_factory=list)
+    positions: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def start(cls, tally: Tally) -> Recorder:
@@ -194,12 +196,15 @@ class Recorder:
     def note(self, move: Move, entry: Entry | None) -> None:
         if move.alias == len(self.moves):
             move.alias = -1
+        if entry is not None:
+            self.positions.setdefault(id(entry), len(self.moves))
         self.moves.append(move)
         self.entries.append(entry)
 
     def position(self, entry: Entry) -> int:
-        """The position of the move that stored ``entry``, or -1."""
-        return next((i for i, e in enumerate(self.entries) if e is entry), -1)
+        """The position of the move that stored ``entry``, or -1 (the entries live as long
+        as the recorder: their ids are theirs)."""
+        return self.positions.get(id(entry), -1)
 
     def refuse(self) -> None:
         self.replayable = False
@@ -250,7 +255,7 @@ class Replayer:
         #: False: every forward takes the full path (see :meth:`miss`)
         self.enabled = True
         self._last: tuple[Any, ...] | None = None
-        #: forwards run through the full path / replayed, since the engine was made
+        #: forwards recorded (the full path, its moves noted), replayed, and left part way
         self.recorded = 0
         self.replayed = 0
         self.missed = 0
