@@ -388,3 +388,26 @@ def test_a_buffer_replaced_between_steps_is_still_state() -> None:
             kept = (x, model.fc(x) * model.scale)  # the linear's input, the sine's
         assert raw == sum(t.untyped_storage().nbytes() for t in kept)
         assert handle.tally.param_refs == 1  # the buffer (the input needs no gradient)
+
+
+def test_autocast_copies_of_a_frozen_weight_replay() -> None:
+    """Under autocast a frozen Linear saves a bf16 copy of its weight, a new tensor each step
+    with no graph: the recording kept it as a parameter's, and so does the replay."""
+    stock, model = pair(mlp)
+    for m in (stock, model):
+        m[2].weight.requires_grad_(False)
+    x = torch.randn(64, 16)
+
+    def step(m: nn.Module) -> list[torch.Tensor]:
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = m(x).float().square().sum()
+        loss.backward()
+        return [p.grad.clone() for p in m.parameters() if p.grad is not None]
+
+    with torchstash.apply(model, "none") as handle:
+        for _ in range(5):
+            for a, b in zip(step(stock), step(model), strict=True):
+                torch.testing.assert_close(b, a, rtol=0, atol=0)
+        replayer = handle.engine.replayer
+        assert (replayer.replayed, replayer.missed) == (3, 0)

@@ -94,6 +94,12 @@ class Engine(Scoping, Recomputation):
             if rec is not None:
                 move = self._move(PARAM, t, rec, _PARAMETER)
                 move.base = storage_base(t) if t.numel() else -1
+                # autocast's copy of a frozen weight: a new tensor each step, no graph
+                move.copy = (
+                    t.grad_fn is None
+                    and not isinstance(t, torch.nn.Parameter)
+                    and move.base not in self._skip
+                )
                 rec.note(move, state)
             return Saved(state)
         site = self._site(t)

@@ -89,8 +89,10 @@ class Move:
     held: int = 0
     #: a later SHARED move shares this one's entry: its dedupe key is checked
     keyed: bool = False
-    #: a PARAM move's storage address (the same storage is the same parameter or buffer)
+    #: a PARAM move's storage address (the same storage is the same parameter or buffer),
+    #: and whether it was a copy of a frozen parameter (autocast's, made anew each step)
     base: int = -1
+    copy: bool = False
 
     def signature(self) -> tuple[Any, ...]:
         owner = self.owner() if self.owner is not None else None
@@ -111,6 +113,7 @@ class Move:
             self.node,
             self.shares,
             self.reshape,
+            self.copy,
             self.raw,
             self.stored,
             self.held,
@@ -365,7 +368,11 @@ class Replayer:
         site = m.site
         assert site is not None
         if kind == PARAM:
-            if base != m.base and not _is_state(t, self.state):
+            if (
+                base != m.base
+                and not (m.copy and t.grad_fn is None)
+                and not _is_state(t, self.state)
+            ):
                 return None
             return Saved(Entry.kept(t.detach(), site, t._version))
         if kind == CODE:
