@@ -322,20 +322,53 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def test_functional_code_in_stash_blocks_stays_exact() -> None:
+def test_stash_blocks_of_one_strategy_share_a_replayer() -> None:
+    """A training loop opens a new ``stash`` block each step: the blocks of one strategy on
+    one thread share their record, so from the third block on the forward is replayed, each
+    block counting in its own tally what the first counted, the gradients stock's."""
     w = torch.randn(32, 32, requires_grad=True)
     x = torch.randn(16, 32)
+    layer = nn.Linear(32, 32)
 
     def step() -> torch.Tensor:
-        return F.gelu(x @ w).tanh().sum()
+        return layer(F.gelu(x @ w)).tanh().sum()
 
-    (want,) = torch.autograd.grad(step(), [w])
+    want = torch.autograd.grad(step(), [w, layer.weight])
+    seen = []
     for _ in range(4):
-        block = torchstash.stash("none")
+        block = torchstash.stash("none", min_bytes=64)
         with block:
             loss = step()
-        (got,) = torch.autograd.grad(loss, [w])
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        got = torch.autograd.grad(loss, [w, layer.weight])
+        for a, b in zip(want, got, strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+        seen.append((rows(block.tally), block.tally.param_refs))
+    replayer = block.engine.replayer
+    assert replayer.replayed == 2 and replayer.missed == 0
+    assert seen[0] == seen[3] and seen[0][0]
+    other = torchstash.stash("none", min_bytes=64)  # another line of code: its own record
+    assert other.engine.replayer is not replayer
+
+
+def test_two_regions_of_code_alternating_each_replay() -> None:
+    """A GAN's generator and discriminator steps, each in a block of the same strategy: the
+    blocks of each line keep their own record, so both replay instead of missing in turn."""
+    a, b = nn.Linear(32, 32), nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 1))
+    x = torch.randn(16, 32)
+    blocks = []
+    for _ in range(4):
+        first = torchstash.stash("none")
+        with first:
+            loss = a(x).tanh().sum()
+        loss.backward()
+        second = torchstash.stash("none")
+        with second:
+            loss = b(x).sum()
+        loss.backward()
+        blocks = [first, second]
+    for block in blocks:
+        replayer = block.engine.replayer
+        assert (replayer.replayed, replayer.missed) == (2, 0)
 
 
 def test_an_entry_keeps_every_field_of_its_site_but_the_call() -> None:

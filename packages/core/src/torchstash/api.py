@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextvars
+import sys
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -20,6 +22,7 @@ if TYPE_CHECKING:
     from .budget import BudgetPlan
 from .compiling import EagerUnderCompile, compiling, warn_compiled
 from .engine import DEFAULT_MIN_BYTES, Engine, ModuleInfo, Tally
+from .engine.replay import Replayer
 from .errors import ApplyError, NothingToRewriteWarning
 from .packed import storage_base
 from .plan import Plan, Swapped
@@ -311,6 +314,49 @@ _OPEN_STASHES: contextvars.ContextVar[tuple[stash, ...]] = contextvars.ContextVa
 )
 
 
+#: per thread, the replayer of each strategy's ``stash`` blocks (see :func:`_shared_replayer`)
+_STASH_REPLAYERS = threading.local()
+
+
+def _shared_replayer(
+    strategy: str | None,
+    policy: PolicyLike | None,
+    options: dict[str, Any],
+    min_bytes: int,
+    module: nn.Module | None,
+    where: tuple[str, int],
+) -> Replayer | None:
+    """The replayer every ``stash`` block opened at the same line of code (``where``) with this
+    strategy, options and module shares on this thread: a training loop opens a new block each
+    step, and a block's own engine would record every time; two regions of code (a GAN's two
+    steps) keep records of their own. None (the block records on its own) for a policy
+    object, which has no stable key, or options that cannot be one."""
+    if policy is not None or strategy is None:
+        return None
+    try:
+        key = (where, strategy, tuple(sorted(options.items())), min_bytes, id(module))
+        hash(key)
+    except TypeError:
+        return None
+    table: dict[Any, Replayer] | None = getattr(_STASH_REPLAYERS, "table", None)
+    if table is None:
+        table = _STASH_REPLAYERS.table = {}
+    found = table.get(key)
+    if found is None:
+        found = table[key] = Replayer(Tally(), set, _no_code)
+    return found
+
+
+def _caller() -> tuple[str, int]:
+    """The file and line that opened the ``stash`` block (``stash.__init__``'s caller)."""
+    frame = sys._getframe(2)
+    return frame.f_code.co_filename, frame.f_lineno
+
+
+def _no_code(t: Any, move: Any) -> None:
+    return None  # bound to a block's engine before any forward replays
+
+
 class stash:
     """Compress what autograd saves inside a ``with`` block: any code, functional ops included.
 
@@ -343,7 +389,12 @@ class stash:
                 f"{', '.join(names)} rewrites modules, which a code region cannot do; "
                 f"use torchstash.apply(model, ...) instead"
             )
-        self.engine = Engine(self.plan.compressor, min_bytes=min_bytes, in_scope=self._in_scope)
+        self.engine = Engine(
+            self.plan.compressor,
+            min_bytes=min_bytes,
+            in_scope=self._in_scope,
+            replayer=_shared_replayer(strategy, policy, options, min_bytes, module, _caller()),
+        )
         self._exit: Any = None
         self._token: contextvars.Token[tuple[stash, ...]] | None = None
         self._hooks: list[RemovableHandle] = []

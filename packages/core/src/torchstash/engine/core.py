@@ -49,7 +49,10 @@ class Engine(Scoping, Recomputation):
         skip_ptrs: Callable[[], set[int]] | None = None,
         dedupe: bool = True,
         in_scope: Callable[[], bool] | None = None,
+        replayer: Replayer | None = None,
     ) -> None:
+        """``replayer``: one an earlier engine of the same plan recorded with (a ``stash``
+        block is a new engine each step); it is bound to this one while it runs."""
         self.resolve = resolve
         #: whether the running code is the engine's to compress (a ``stash`` block's own
         #: thread and context); None: whatever runs under its hooks
@@ -58,7 +61,9 @@ class Engine(Scoping, Recomputation):
         self.dedupe = dedupe
         self.tally = Tally()
         #: the decisions of a recorded forward, replayed on the next ones (:mod:`.replay`)
-        self.replayer = Replayer(self.tally, self._state, self._replay_code)
+        if replayer is None:
+            replayer = Replayer(self.tally, self._state, self._replay_code)
+        self.replayer = replayer
         self._skip_ptrs = skip_ptrs
         self._skip: set[int] = set()
         self._tls = ThreadState()
@@ -73,6 +78,8 @@ class Engine(Scoping, Recomputation):
         entry), with ``t`` counted in its module's row."""
         tls = self._tls
         if tls.replaying is not None:
+            if self.in_scope is not None and not self.in_scope():
+                return Saved(Entry(t.detach(), None, _OUTSIDE, t._version, None))
             saved = self.replayer.pack(t, tls)
             if saved is not None:
                 return saved

@@ -269,6 +269,11 @@ class Replayer:
         self.refused_in_a_row = 0
         self._forwards = 0
 
+    def bind(self, tally: Tally, state: Callable[[], set[int]], code: Coder) -> None:
+        """Serve the engine these belong to (a replayer shared by the engines of one plan's
+        ``stash`` blocks counts in each block's own tally)."""
+        self.tally, self.state, self.code = tally, state, code
+
     # -- recording ---------------------------------------------------------------------------
 
     def wants_recording(self) -> bool:

@@ -100,6 +100,7 @@ class Scoping:
 
     if TYPE_CHECKING:
 
+        def _replay_code(self, t: torch.Tensor, move: Any) -> Any: ...
         def pack(self, t: torch.Tensor) -> Saved: ...
         def unpack(self, saved: Saved) -> torch.Tensor: ...
         def _carry_recipe(
@@ -127,6 +128,7 @@ class Scoping:
             tls.op_counts.clear()
             tls.graph = Graph()
             tls.missed = False
+            self.replayer.bind(self.tally, self._state, self._replay_code)
             trace = self.replayer.trace
             tls.replaying = trace
             recording = trace is None and self.replayer.wants_recording()
