@@ -284,8 +284,9 @@ def test_apply_after_remove_records_afresh(tracked: Tracked) -> None:
         same_as_stock(stock, model, x)
 
 
-def test_a_compressing_strategy_records_every_step(tracked: Tracked) -> None:
-    """Codes read the op's arguments: a forward that compressed anything is not replayed."""
+def test_a_code_that_reads_the_op_call_records_every_step(tracked: Tracked) -> None:
+    """A GELU's derivative code reads the call's ``approximate``: a forward holding one is
+    not replayed (codes that read nothing of the call do: the quant plug-in's tests)."""
     pytest.importorskip("torchstash_quant")
     _, model = pair(mlp)
     x = torch.randn(64, 16)

@@ -34,9 +34,13 @@ class Compressor(Protocol):
     ``derivable(x, site) -> bool`` says a code may stand in for the op's output, and
     ``derived(x, site, sources)`` is told of each save kept as a recomputation from the
     entries stored at the ``sources`` sites (a budget then counts it: it costs no bytes).
-    A compressor whose ``compress`` reads nothing of the site's op call and keeps no state
-    per step sets ``replays = True``: the engine may then replay its decision for a save on
-    later steps without the op tracker (:mod:`torchstash.engine.replay`).
+    A compressor whose ``compress`` reads nothing of the site's op call, and whose code of a
+    tensor of one shape, dtype and layout always takes the same bytes, sets ``replays = True``
+    (or says so per save, ``replays_at(x, site) -> bool``, asked while the call runs): the
+    engine then replays its decision on later steps without the op tracker, calling
+    ``compress`` with the site less its call (:mod:`torchstash.engine.replay`). One whose
+    widths change now and then (an allocation) also defines ``replays_next() -> bool``: False
+    sends the next forward down the full path and records it anew.
     """
 
     name: str
@@ -59,6 +63,10 @@ class BaseCompressor:
     #: its code of a save depends only on the tensor and the site's names, not on the op
     #: call's arguments or on earlier steps: a recorded decision may be replayed
     replays: bool = False
+
+    def replays_at(self, x: torch.Tensor, site: Site) -> bool:
+        """Whether this save's code may be replayed (see :class:`Compressor`)."""
+        return self.replays
 
     def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
         reasons = []
@@ -104,6 +112,13 @@ class Composed:
         if told is not None:
             told(x, site, sources)
 
+    def replays_at(self, x: torch.Tensor, site: Site) -> bool:
+        """``then`` codes payloads not seen here: replayed only when it always replays."""
+        return replays_at(self.first, x, site) and bool(getattr(self.then, "replays", False))
+
+    def replays_next(self) -> bool:
+        return replays_next(self.first) and replays_next(self.then)
+
     def compress(self, x: torch.Tensor, site: Site) -> Packed | torch.Tensor:
         packed = self.first.compress(x, site)
         if not isinstance(packed, Packed):
@@ -127,3 +142,18 @@ class Composed:
 
     def __repr__(self) -> str:
         return f"<Composed {self.name}>"
+
+
+def replays_at(compressor: Compressor, x: torch.Tensor, site: Site) -> bool:
+    """Whether ``compressor``'s code of ``x`` at ``site`` (its call running) may be replayed on
+    later steps: its ``replays_at``, else its ``replays`` flag (see :class:`Compressor`)."""
+    told = getattr(compressor, "replays_at", None)
+    if told is not None:
+        return bool(told(x, site))
+    return bool(getattr(compressor, "replays", False))
+
+
+def replays_next(compressor: Compressor) -> bool:
+    """Whether the next forward may replay ``compressor``'s codes (see :class:`Compressor`)."""
+    told = getattr(compressor, "replays_next", None)
+    return bool(told()) if told is not None else True

@@ -268,6 +268,18 @@ class AutoQuantizer(BaseCompressor):
     def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
         return self.codec.unsupported(x, site)
 
+    def replays_at(self, x: torch.Tensor, site: Site) -> bool:
+        """A matmul's kind of path reads its call (:func:`site_kind`); what else a replayed
+        save needs is its site's key and op."""
+        return site.op != "matmul"
+
+    def replays_next(self) -> bool:
+        """Not a step that measures, nor the one after it, whose first save allocates anew:
+        those take the full path (its op-call hooks watch the gradients) and record again."""
+        with self._lock:
+            upcoming = (self.steps + 1) % self.interval == self.interval - 1
+            return not (self._measuring or upcoming)
+
     # -- steps ---------------------------------------------------------------------------------
 
     def _next_step(self) -> None:

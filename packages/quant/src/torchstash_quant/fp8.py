@@ -24,6 +24,7 @@ from ._options import check_group_size
 class Fp8Quantizer(BaseCompressor):
     name = "quant.fp8"
     lossless = False
+    replays = True
 
     def __init__(self, group_size: int = 256) -> None:
         self.group_size = check_group_size(group_size, self.name)

@@ -38,6 +38,9 @@ class GroupQuantizer(BaseCompressor):
     #: :meth:`compress` takes ``rows=``: rows centered on their offsets (.centered) and coded
     #: in one kernel call, undone by :meth:`decompress_rows`
     centers_rows = True
+    #: reads nothing of the call; a 1-bit code widened for NaN takes other bytes, and the
+    #: engine's replay checks a code's bytes against its recording's
+    replays = True
 
     def __init__(
         self,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from torchstash.compressor import BaseCompressor, Compressor
+from torchstash.compressor import BaseCompressor, Compressor, replays_at, replays_next
 from torchstash.packed import Packed
 from torchstash.site import Site
 
@@ -38,6 +38,12 @@ class OnlyOps(BaseCompressor):
         if site.op not in self.ops:
             return [f"{self.name} compresses only what {', '.join(sorted(self.ops))} save"]
         return self.inner.unsupported(x, site)
+
+    def replays_at(self, x: torch.Tensor, site: Site) -> bool:
+        return replays_at(self.inner, x, site)
+
+    def replays_next(self) -> bool:
+        return replays_next(self.inner)
 
     def compress(self, x: torch.Tensor, site: Site) -> Packed | torch.Tensor:
         return self.inner.compress(x, site)

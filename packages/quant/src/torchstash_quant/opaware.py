@@ -31,7 +31,7 @@ from dataclasses import replace
 
 import torch
 
-from torchstash.compressor import BaseCompressor, Compressor
+from torchstash.compressor import BaseCompressor, Compressor, replays_at, replays_next
 from torchstash.packed import Packed
 from torchstash.site import Site
 
@@ -231,6 +231,27 @@ class OpAware(BaseCompressor):
         its output is recomputed only where no residual sum comes first (half of a ResNet's),
         so widening every input would cost more than that saves."""
         return self.norm_bits if self.derive and site.op == "layer_norm" else None
+
+    def replays_at(self, x: torch.Tensor, site: Site) -> bool:
+        """Replayed from the site less its call (:mod:`torchstash.engine.replay`) unless the
+        code reads the call: attention's parts (which operand of which matmul), a pool's
+        geometry, a GELU's ``approximate``; or its codec says no."""
+        if site.op in ATTENTION_OPS or site.op == SDPA:
+            return False
+        kind = self.variant(x, site)
+        if kind in EXACT_KINDS:
+            return kind != "pool"
+        if kind == "deriv":
+            return site.op != "gelu" and self.derivs is not None
+        codec = self.values
+        if kind == "norm" and self.norms is not None:
+            layout = self._centered_layout(x, site)
+            if layout is None or self._aligned(layout[1]) is None:
+                codec = self.norms
+        return replays_at(codec, x, site)
+
+    def replays_next(self) -> bool:
+        return all(replays_next(c) for c in (self.values, self.norms, self.scores) if c is not None)
 
     def derivable(self, x: torch.Tensor, site: Site) -> bool:
         """Whether ``x``'s code may stand in for the op's output too (its values, not a

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..compressor import Compressor
+from ..compressor import Compressor, replays_at
 from ..derive import SDPA, Recipe, may_replay_attention, save_kind
 from ..layout import dense_strides, with_layout
 from ..optrack import STATE as OP_STATE
@@ -115,7 +115,7 @@ class Engine(Scoping, Recomputation):
         row.ops[site.op or "?"] += 1
         nbytes = raw_nbytes(t)
         compressor, reason = self._choose(t, site, nbytes)
-        if rec is not None and compressor is not None and not getattr(compressor, "replays", False):
+        if rec is not None and compressor is not None and not replays_at(compressor, t, site):
             rec.refuse()  # a code that reads the op's arguments: recorded on every forward
             rec = None
         variant = variant_of(compressor, t, site)
@@ -171,14 +171,17 @@ class Engine(Scoping, Recomputation):
             self._remember(key, entry)
         entry.pending += 1
         if rec is not None:
-            coded = isinstance(entry.value, Packed)
-            if not coded and not isinstance(entry.value, torch.Tensor):
+            value = entry.value
+            coded = isinstance(value, Packed)
+            if not coded and not isinstance(value, torch.Tensor):
                 rec.refuse()  # recomputed: its recipe reads the op's arguments
                 return Saved(entry)
             move = self._move(CODE if coded else KEEP, t, rec, entry.site, row, entry.reason)
-            if coded:
+            if isinstance(value, Packed):
+                rec.firsts.code(len(rec.moves), t)
                 move.compressor, move.variant = entry.compressor, variant
-                move.node = type(t.grad_fn)
+                move.node, move.strides = type(t.grad_fn), t.stride()
+                move.code_bytes = value.nbytes()
             move.raw = row.raw_bytes - before[0]
             move.stored = row.stored_bytes - before[1]
             move.held = row.held_bytes - before[2]
@@ -221,9 +224,10 @@ class Engine(Scoping, Recomputation):
         hit: Entry,
         reshape: tuple[int, ...] | None,
     ) -> None:
-        """Record a second save of an entry this forward stored as is (any other: refused)."""
+        """Record a second save of an entry this forward stored (as is, or coded by the same
+        compressor in the same variant); one stored before this forward: refused."""
         position = rec.position(hit)
-        if position < 0 or hit.compressor is not None or rec.moves[position].kind == SHARED:
+        if position < 0 or rec.moves[position].kind == SHARED:
             rec.refuse()
             return
         move = self._move(SHARED, t, rec, None, row)  # the site holds the call's arguments

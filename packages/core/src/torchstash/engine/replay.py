@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..compressor import Compressor
+from ..compressor import Compressor, replays_next
 from ..layout import dense_strides
 from ..packed import Packed, storage_base
 from ..site import Site
@@ -78,6 +78,11 @@ class Move:
     compressor: Compressor | None = None
     variant: str = ""
     node: type | None = None
+    #: a CODE move's strides (a code's grouping may follow the layout)
+    strides: tuple[int, ...] = ()
+    #: a CODE move's payload bytes: a replayed code of other bytes (a 1-bit code widened to
+    #: 2 bits for a NaN) is a guard miss, kept exact, as its totals would not hold
+    code_bytes: int = -1
     #: a SHARED move's entry: that of the move at this position
     shares: int = -1
     #: a SHARED move's shape when it differs from the shared entry's
@@ -111,6 +116,8 @@ class Move:
             id(self.compressor),
             self.variant,
             self.node,
+            self.strides,
+            self.code_bytes,
             self.shares,
             self.reshape,
             self.copy,
@@ -169,6 +176,34 @@ def _diff(before: dict[str, tuple[Any, ...]], tally: Tally) -> list[Totals]:
     return out
 
 
+class FirstSaves:
+    """The first save of a forward over each storage, by address: what a later save's
+    ``alias`` names. A coded save does not keep its tensor: once that storage is freed its
+    address may hold another tensor's, which is then no alias of it."""
+
+    __slots__ = ("bases", "coded")
+
+    def __init__(self) -> None:
+        self.bases: dict[int, int] = {}
+        self.coded: dict[int, weakref.ref[Any]] = {}
+
+    def first(self, base: int, position: int) -> int:
+        """The position of the first live save over the storage at ``base`` (``position``
+        when this save is the first)."""
+        j = self.bases.setdefault(base, position)
+        if j != position:
+            ref = self.coded.get(j)
+            if ref is not None and ref() is None:
+                self.bases[base] = position
+                return position
+        return j
+
+    def code(self, position: int, t: torch.Tensor) -> None:
+        """The save at ``position`` was coded: its storage is an alias target while it lives."""
+        if t.numel():
+            self.coded[position] = weakref.ref(t.untyped_storage())
+
+
 @dataclass(slots=True, eq=False)
 class Recorder:
     """The moves of the forward being recorded (one per save, in order)."""
@@ -178,7 +213,7 @@ class Recorder:
     generation: int
     param_refs: int
     moves: list[Move] = field(default_factory=list)
-    bases: dict[int, int] = field(default_factory=dict)
+    firsts: FirstSaves = field(default_factory=FirstSaves)
     #: False once a save was decided in a way that does not replay
     replayable: bool = True
     #: the entry of each move, while recording, and each entry's position (a SHARED move's
@@ -194,7 +229,7 @@ class Recorder:
         """The position of the first save of this forward over ``t``'s storage, or -1."""
         if t.numel() == 0:
             return -1
-        return self.bases.setdefault(storage_base(t), len(self.moves))
+        return self.firsts.first(storage_base(t), len(self.moves))
 
     def note(self, move: Move, entry: Entry | None) -> None:
         if move.alias == len(self.moves):
@@ -239,6 +274,13 @@ class Trace:
     #: per row, what a whole replayed forward adds
     totals: list[Totals]
     param_refs: int
+    #: the compressors of its codes that may send a forward down the full path
+    #: (``replays_next``: an allocation coming)
+    askers: tuple[Compressor, ...] = ()
+
+    def may_replay(self) -> bool:
+        """Whether the next forward may follow it (each asker agrees)."""
+        return all(replays_next(c) for c in self.askers)
 
 
 #: ``code(t, move)``: the engine's compress of ``t`` by a CODE move's compressor at its site
@@ -312,7 +354,12 @@ class Replayer:
         if signature != self._last:
             self._last = signature
             return
-        self.trace = Trace(tuple(rec.moves), totals, param_refs)
+        askers = {
+            id(m.compressor): m.compressor
+            for m in rec.moves
+            if m.compressor is not None and hasattr(m.compressor, "replays_next")
+        }
+        self.trace = Trace(tuple(rec.moves), totals, param_refs, tuple(askers.values()))
 
     def forget(self) -> None:
         """Record again from the next forward (a guard missed, or the engine was told to)."""
@@ -358,7 +405,7 @@ class Replayer:
         alias = base = -1
         if t.numel():
             base = storage_base(t)
-            alias = tls.bases.setdefault(base, i)
+            alias = tls.bases.first(base, i)
             if alias == i:
                 alias = -1
         if alias != m.alias:
@@ -381,11 +428,12 @@ class Replayer:
                 return None
             return Saved(Entry.kept(t.detach(), site, t._version))
         if kind == CODE:
-            if type(t.grad_fn) is not m.node:
+            if type(t.grad_fn) is not m.node or t.stride() != m.strides:
                 return None
             packed = self.code(t, m)
-            if packed is None:
+            if packed is None or packed.nbytes() != m.code_bytes:
                 return None
+            tls.bases.code(i, t)
             entry = Entry(packed, m.compressor, site, t._version, None, m.variant, t)
             entry.strides = dense_strides(t)
         else:

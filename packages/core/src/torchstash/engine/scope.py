@@ -23,7 +23,7 @@ from ..optrack import OpTracker, role_of, wait_for, watching
 from ..packed import storage_base
 from ..site import NO_CALL, OpCall, Site
 from .entries import Entry, Graph
-from .replay import Recorder, Replayer, Trace
+from .replay import FirstSaves, Recorder, Replayer, Trace
 
 if TYPE_CHECKING:
     from .entries import Saved
@@ -79,7 +79,7 @@ class ThreadState(threading.local):
         #: and their dedupe keys
         self.replaying: Trace | None = None
         self.position = 0
-        self.bases: dict[int, int] = {}
+        self.bases = FirstSaves()
         self.entries: dict[int, Entry] = {}
         self.keys: dict[int, tuple[Any, ...]] = {}
         #: a replayed save missed its guard: the rest of this forward is kept as is
@@ -130,12 +130,15 @@ class Scoping:
             tls.missed = False
             self.replayer.bind(self.tally, self._state, self._replay_code)
             trace = self.replayer.trace
+            if trace is not None and not trace.may_replay():
+                self.replayer.forget()  # a code's widths change now: the full path, recorded
+                trace = None
             tls.replaying = trace
             recording = trace is None and self.replayer.wants_recording()
             tls.recorder = Recorder.start(self.tally) if recording else None
             if trace is not None:
                 tls.position = 0
-                tls.bases = {}
+                tls.bases = FirstSaves()
                 tls.entries = {}
                 tls.keys = {}
             # a model's parameters and buffers: read now for the full path, when first
@@ -169,7 +172,7 @@ class Scoping:
             tls.replaying = None
             tls.entries = {}
             tls.keys = {}
-            tls.bases = {}
+            tls.bases = FirstSaves()
         elif tls.recorder is not None:
             recorder, tls.recorder = tls.recorder, None
             if not tls.missed:

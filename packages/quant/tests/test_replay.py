@@ -1,0 +1,226 @@
+"""Quantization codes under the engine's replay (:mod:`torchstash.engine.replay`): a code that
+reads nothing of the op call replays without the op tracker, bit for bit what the full path
+codes and counts; a code that reads the call, a code of other bytes, a new layout, and the
+steps ``quant.auto`` measures take the full path."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import torchstash as ts
+from torchstash.engine import Engine
+from torchstash.optrack import OpTracker
+from torchstash_quant.strategies import auto
+
+#: strategies whose codes on a conv-BN-ReLU net all replay
+REPLAYING = ("quant.int2", "quant.fp8", "quant.mesa")
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1, stride=2),
+        nn.BatchNorm2d(16),
+        nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 4),
+    )
+
+
+def grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(x).square().sum().backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def rows(tally: ts.Tally) -> dict[str, tuple[object, ...]]:
+    return {
+        k: (r.saved, r.shared, r.raw_bytes, r.stored_bytes, r.held_bytes, r.compressed)
+        for k, r in tally.rows.items()
+    }
+
+
+class Tracked:
+    """Counts the torch calls the op tracker sees."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        original = OpTracker.__torch_function__
+
+        def counting(mode, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            return original(mode, func, types, args, kwargs)
+
+        monkeypatch.setattr(OpTracker, "__torch_function__", counting)
+
+    def during(self, step: Callable[[], object]) -> int:
+        before = self.calls
+        step()
+        return self.calls - before
+
+
+@pytest.fixture
+def tracked(monkeypatch: pytest.MonkeyPatch) -> Tracked:
+    return Tracked(monkeypatch)
+
+
+def twins(strategy: str, build: Callable[[], nn.Module] = cnn, **options: object):  # type: ignore[no-untyped-def]
+    """Two copies of one model under ``strategy`` with the same seeds: the first never
+    replays (the full path on every step), the second does."""
+    torch.manual_seed(0)
+    full = build()
+    ours = copy.deepcopy(full)
+    torch.manual_seed(1)
+    a = ts.apply(full, strategy, **options)
+    torch.manual_seed(1)
+    b = ts.apply(ours, strategy, **options)
+    a.engine.replayer.enabled = False
+    return full, ours, a, b
+
+
+@pytest.mark.parametrize("strategy", REPLAYING)
+def test_codes_replay_bit_for_bit_and_count_as_the_full_path(
+    strategy: str, tracked: Tracked
+) -> None:
+    full, ours, a, b = twins(strategy)
+    x = torch.randn(4, 3, 16, 16)
+    try:
+        for step in range(5):
+            a.tally.reset()
+            b.tally.reset()
+            want = grads(full, x)
+            calls = tracked.during(lambda: grads(ours, x))
+            for g, w in zip(grads_of(ours), want, strict=True):
+                torch.testing.assert_close(g, w, rtol=0, atol=0)
+            assert rows(b.tally) == rows(a.tally)
+            assert (calls == 0) == (step >= 2), (step, calls)
+        assert b.tally.stored_bytes < b.tally.raw_bytes / 3
+        replayer = b.engine.replayer
+        assert (replayer.recorded, replayer.replayed, replayer.missed) == (2, 3, 0)
+    finally:
+        a.remove()
+        b.remove()
+
+
+def grads_of(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad for p in model.parameters() if p.grad is not None]
+
+
+def test_a_code_that_reads_the_op_call_records_every_step(tracked: Tracked) -> None:
+    """A max pool's positions (its geometry), a GELU's derivative code (its ``approximate``)
+    and attention's operands (which matmul) read the call: those forwards keep recording."""
+
+    def pooled() -> nn.Module:
+        return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten())
+
+    for build, strategy in ((pooled, "quant.int2"), (_gelu_mlp, "quant.int2")):
+        torch.manual_seed(0)
+        model = build()
+        x = torch.randn(2, 3, 12, 12) if build is pooled else torch.randn(8, 16)
+        with ts.apply(model, strategy) as handle:
+            counts = [tracked.during(lambda: grads(model, x)) for _ in range(4)]  # noqa: B023
+            assert all(c > 0 for c in counts), build
+            assert handle.engine.replayer.trace is None
+
+
+def _gelu_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+
+
+def test_a_code_of_other_bytes_is_a_guard_miss_kept_exact() -> None:
+    """``quant.int1`` widens a tensor holding NaN to 2 bits: the recorded bytes would not
+    hold, so that save and the rest of the forward are kept as they are, and NaN survives."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 4))
+    x = torch.randn(8, 32)
+    with ts.apply(model, "quant.int1") as handle:
+        for _ in range(3):
+            grads(model, x)
+        replayer = handle.engine.replayer
+        assert replayer.trace is not None
+        bad = x.clone()
+        bad[0, 0] = float("nan")
+        model.zero_grad(set_to_none=True)
+        model(bad).sum().backward()
+        assert replayer.missed == 1 and replayer.trace is None
+        weight = model[2].weight.grad
+        assert weight is not None and bool(weight[:, :].isnan().any())
+
+
+def test_a_new_layout_of_the_same_shape_is_a_guard_miss() -> None:
+    """A code's groups may follow the tensor's strides: a transposed activation of the
+    recorded shape is a guard miss, kept as stock keeps it (gradients exactly stock's), and
+    the forwards after it record and replay again."""
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(64, 8)
+            self.transpose = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.transpose:
+                x = x.t().contiguous().t()
+            return self.lin(torch.tanh(x))
+
+    torch.manual_seed(0)
+    stock = Head()  # the twins' weights, under no strategy
+    full, ours, a, b = twins("quant.int2", Head)
+    x = torch.randn(64, 64)
+    try:
+        for _ in range(4):
+            for g, w in zip(grads(ours, x), grads(full, x), strict=True):
+                torch.testing.assert_close(g, w, rtol=0, atol=0)
+        replayer = b.engine.replayer
+        assert replayer.replayed == 2
+        ours.transpose = stock.transpose = True  # type: ignore[assignment]
+        for g, w in zip(grads(ours, x), grads(stock, x), strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        assert replayer.missed == 1
+        ours.transpose = False  # type: ignore[assignment]
+        for _ in range(3):
+            grads(ours, x)
+        assert replayer.replayed == 3 and replayer.missed == 1
+    finally:
+        a.remove()
+        b.remove()
+
+
+def test_auto_measures_on_the_full_path_and_replays_between() -> None:
+    """``quant.auto`` watches gradients on the steps it measures (op-call hooks) and allocates
+    on the next: those take the full path and record again; the steps between replay. Its
+    allocations are the full path's, and so is every gradient, bit for bit."""
+    torch.manual_seed(0)
+    full = nn.Sequential(
+        nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 4)
+    )
+    ours = copy.deepcopy(full)
+    codecs = [auto(2, seed=0, interval=8) for _ in range(2)]
+    engines = [Engine(lambda site, types, c=c: c, min_bytes=0) for c in codecs]  # type: ignore[misc]
+    engines[0].replayer.enabled = False
+    x = torch.randn(16, 32)
+    allocations = []
+    for _ in range(20):
+        got = []
+        for model, engine in zip((full, ours), engines, strict=True):
+            model.zero_grad(set_to_none=True)
+            with engine.activated():
+                loss = model(x).square().sum()
+            loss.backward()
+            got.append([p.grad for p in model.parameters()])
+        for g, w in zip(got[1], got[0], strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        allocations.append([dict(c.values.allocation.bits) for c in codecs])  # type: ignore[attr-defined]
+    assert all(a == b for a, b in allocations)
+    assert len({str(a) for a, _ in allocations}) > 1  # the allocation changed on the way
+    replayer = engines[1].replayer
+    assert replayer.replayed >= 4 and replayer.missed == 0
+    assert replayer.recorded >= 6  # each measured step and the next took the full path
