@@ -17,8 +17,9 @@ from torchstash.engine import Engine
 from torchstash.optrack import OpTracker
 from torchstash_quant.strategies import auto
 
-#: strategies whose codes on a conv-BN-ReLU net all replay
-REPLAYING = ("quant.int2", "quant.fp8", "quant.mesa")
+#: strategies whose codes on a conv-BN-ReLU net all replay (at 4 bits and up, each
+#: BatchNorm's output is recomputed from its coded input: those replay too)
+REPLAYING = ("quant.int8", "quant.int4", "quant.int2", "quant.fp8", "quant.mesa")
 
 
 def cnn() -> nn.Module:
@@ -194,19 +195,27 @@ def test_a_new_layout_of_the_same_shape_is_a_guard_miss() -> None:
         b.remove()
 
 
-def test_auto_measures_on_the_full_path_and_replays_between() -> None:
-    """``quant.auto`` watches gradients on the steps it measures (op-call hooks) and allocates
-    on the next: those take the full path and record again; the steps between replay. Its
-    allocations are the full path's, and so is every gradient, bit for bit."""
-    torch.manual_seed(0)
-    full = nn.Sequential(
+def _tanh_mlp() -> nn.Module:
+    return nn.Sequential(
         nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 4)
     )
+
+
+@pytest.mark.parametrize("build", [_tanh_mlp, cnn], ids=["mlp", "cnn"])
+def test_auto_measures_on_the_full_path_and_replays_between(
+    build: Callable[[], nn.Module],
+) -> None:
+    """``quant.auto`` watches gradients on the steps it measures (op-call hooks) and allocates
+    on the next: those take the full path and record again; the steps between replay. Its
+    allocations are the full path's, and so is every gradient, bit for bit (on the CNN with
+    its BatchNorm outputs recomputed and counted in the budget at no bits)."""
+    torch.manual_seed(0)
+    full = build()
     ours = copy.deepcopy(full)
     codecs = [auto(2, seed=0, interval=8) for _ in range(2)]
     engines = [Engine(lambda site, types, c=c: c, min_bytes=0) for c in codecs]  # type: ignore[misc]
     engines[0].replayer.enabled = False
-    x = torch.randn(16, 32)
+    x = torch.randn(16, 32) if build is _tanh_mlp else torch.randn(4, 3, 16, 16)
     allocations = []
     for _ in range(20):
         got = []
@@ -224,3 +233,87 @@ def test_auto_measures_on_the_full_path_and_replays_between() -> None:
     replayer = engines[1].replayer
     assert replayer.replayed >= 4 and replayer.missed == 0
     assert replayer.recorded >= 6  # each measured step and the next took the full path
+
+
+class Shifted(nn.Module):
+    """conv-BN-ReLU-conv whose second conv's input is shifted on the steps ``shift`` is set:
+    the saves are the same (a sum with a number saves nothing), the tensor is not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.conv2 = nn.Conv2d(16, 4, 3, padding=1)
+        self.shift = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.conv1(x))
+        if self.shift:
+            h = h + 3.0
+        return self.conv2(torch.relu_(h))
+
+
+def close_to(got: list[torch.Tensor], want: list[torch.Tensor], tol: float) -> bool:
+    a, b = torch.cat([g.flatten() for g in got]), torch.cat([w.flatten() for w in want])
+    return float((a - b).norm() / b.norm()) < tol
+
+
+@pytest.mark.parametrize("change", ["shift", "weight", "frozen"])
+def test_a_recomputed_save_replays_only_from_its_own_op(change: str) -> None:
+    """A BatchNorm output's recipe is replayed only where autograd's graph leads from the save,
+    node type by node type, to this step's coded operand, through a node reading the recorded
+    parameters: a shift after the BatchNorm (a node more), a weight replaced, a frozen weight
+    replaced: each a guard miss, its gradients those of the full path within int8's noise (a
+    stale recipe would be off by the shift or the old weight)."""
+    torch.manual_seed(0)
+    stock = Shifted()
+    ours = copy.deepcopy(stock)
+    if change == "frozen":
+        for m in (stock, ours):
+            m.bn.weight.requires_grad_(False)
+    x = torch.randn(4, 3, 12, 12)
+    with ts.apply(ours, "quant.int8") as handle:
+        for _ in range(4):
+            assert close_to(grads(ours, x), grads(stock, x), 0.02)
+        replayer = handle.engine.replayer
+        assert replayer.replayed == 2
+        assert sum(r.derived for r in handle.tally.rows.values()) > 0
+        if change == "shift":
+            stock.shift = ours.shift = True  # type: ignore[assignment]
+        else:
+            torch.manual_seed(1)
+            weight = nn.Parameter(torch.rand(16) + 2.0, requires_grad=change != "frozen")
+            stock.bn.weight = nn.Parameter(weight.detach().clone(), weight.requires_grad)
+            ours.bn.weight = weight
+        assert close_to(grads(ours, x), grads(stock, x), 0.02)
+        assert replayer.missed == 1
+        for _ in range(3):  # records the new model and replays it
+            assert close_to(grads(ours, x), grads(stock, x), 0.02)
+        assert replayer.replayed == 3
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_a_code_read_twice_is_decoded_once(replay: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A BatchNorm's coded input is read by the recipe of the output the next conv saves and
+    by the BatchNorm's backward: decoded once, on the full path and replayed."""
+    from torchstash_quant.opaware import OpAware
+
+    decoded: list[int] = []
+    original = OpAware.decompress
+
+    def counting(self, packed):  # type: ignore[no-untyped-def]
+        decoded.append(id(packed))
+        return original(self, packed)
+
+    monkeypatch.setattr(OpAware, "decompress", counting)
+    torch.manual_seed(0)
+    model = cnn()
+    x = torch.randn(4, 3, 16, 16)
+    with ts.apply(model, "quant.int8") as handle:
+        handle.engine.replayer.enabled = replay
+        for _ in range(4):
+            decoded.clear()
+            grads(model, x)
+            assert decoded and len(decoded) == len(set(decoded))
+        assert sum(r.derived for r in handle.tally.rows.values()) > 0
+        assert (handle.engine.replayer.replayed > 0) == replay

@@ -22,12 +22,23 @@ from ..layout import dense_strides, with_layout
 from ..optrack import STATE as OP_STATE
 from ..packed import Packed, raw_nbytes, storage_base
 from ..site import Site
-from . import messages
+from . import messages, rederive
 from .entries import RELEASED, Entry, Recomputed, Saved, dedupe_key, variant_of
 from .messages import CONSTANT_REASON, FUSED_EXACT_REASON, FUSED_OUTPUT_REASON, KEEP_TYPE
 from .params import is_parameter
 from .recompute import Recomputation, Sources
-from .replay import CODE, KEEP, MISSED_REASON, PARAM, SHARED, Move, Recorder, Replayer
+from .replay import (
+    CODE,
+    DERIVE,
+    KEEP,
+    MISSED_REASON,
+    PARAM,
+    SHARED,
+    Move,
+    Recorder,
+    Replayer,
+    is_state,
+)
 from .scope import Scoping, ThreadState
 from .tally import Row, Tally
 
@@ -172,15 +183,24 @@ class Engine(Scoping, Recomputation):
         entry.pending += 1
         if rec is not None:
             value = entry.value
-            coded = isinstance(value, Packed)
-            if not coded and not isinstance(value, torch.Tensor):
-                rec.refuse()  # recomputed: its recipe reads the op's arguments
-                return Saved(entry)
-            move = self._move(CODE if coded else KEEP, t, rec, entry.site, row, entry.reason)
-            if isinstance(value, Packed):
-                rec.firsts.code(len(rec.moves), t)
+            derive = None
+            if isinstance(value, Recomputed):
+                derive = rederive.record(value, t, rec, lambda a: is_state(a, self._state))
+                if derive is None:
+                    rec.refuse()  # its recipe reads what a replay cannot check
+                    return Saved(entry)
+                kind = DERIVE
+            else:
+                kind = CODE if isinstance(value, Packed) else KEEP
+            move = self._move(kind, t, rec, entry.site, row, entry.reason)
+            if kind != DERIVE:
+                rec.nodes[len(rec.moves)] = t.grad_fn
+            if kind != KEEP:
                 move.compressor, move.variant = entry.compressor, variant
                 move.node, move.strides = type(t.grad_fn), t.stride()
+                move.derive = derive
+            if isinstance(value, Packed):
+                rec.firsts.code(len(rec.moves), t)
                 move.code_bytes = value.nbytes()
             move.raw = row.raw_bytes - before[0]
             move.stored = row.stored_bytes - before[1]
@@ -435,10 +455,16 @@ class Engine(Scoping, Recomputation):
             return out
         if isinstance(value, torch.Tensor):
             return value
+        out = entry.cache
+        if out is not None:  # decoded for an earlier restore (see below)
+            entry.pending -= 1
+            if entry.pending <= 0:
+                entry.cache = None
+            return out
         compressor = entry.compressor
         assert compressor is not None
         try:
-            return with_layout(compressor.decompress(value), entry.strides)
+            out = with_layout(compressor.decompress(value), entry.strides)
         except KEEP_TYPE as e:
             gone = self._release(entry)
             e.add_note(messages.restore_note(self.resolve, compressor, entry.site, value, gone))
@@ -448,6 +474,13 @@ class Engine(Scoping, Recomputation):
             raise messages.restore_error(
                 self.resolve, compressor, entry.site, value, gone, e
             ) from e
+        if entry.pending > 1:
+            # Restored again soon (a BatchNorm's input: by the recipe of the output the next
+            # conv saves, then by the BatchNorm's own backward, one op apart): decoded once,
+            # held until the last restore, as a recomputed value is.
+            entry.pending -= 1
+            entry.cache = out
+        return out
 
     # -- faults -------------------------------------------------------------------------------
 

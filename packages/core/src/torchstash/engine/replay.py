@@ -32,8 +32,9 @@ from ..compressor import Compressor, replays_next
 from ..layout import dense_strides
 from ..packed import Packed, storage_base
 from ..site import Site
-from .entries import Entry, Saved, dedupe_key
+from .entries import Entry, Recomputed, Saved, dedupe_key
 from .params import parameter_copy
+from .rederive import Rederive, rebuild
 from .tally import Row
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from .tally import Tally
 
 #: what a move does with its save
-PARAM, KEEP, SHARED, CODE = "param", "keep", "shared", "code"
+PARAM, KEEP, SHARED, CODE, DERIVE = "param", "keep", "shared", "code", "derive"
 
 #: guard misses in a row after which an engine stops replaying
 MAX_MISSES = 3
@@ -98,6 +99,10 @@ class Move:
     #: and whether it was a copy of a frozen parameter (autocast's, made anew each step)
     base: int = -1
     copy: bool = False
+    #: a DERIVE move's recipe and checks (:mod:`.rederive`)
+    derive: Rederive | None = None
+    #: a later DERIVE move reads this one's entry (its operand or a statistic)
+    feeds: bool = False
 
     def signature(self) -> tuple[Any, ...]:
         owner = self.owner() if self.owner is not None else None
@@ -121,6 +126,7 @@ class Move:
             self.shares,
             self.reshape,
             self.copy,
+            self.derive.signature() if self.derive is not None else None,
             self.raw,
             self.stored,
             self.held,
@@ -220,6 +226,9 @@ class Recorder:
     #: target)
     entries: list[Entry | None] = field(default_factory=list)
     positions: dict[int, int] = field(default_factory=dict)
+    #: the autograd node of each CODE and KEEP move's tensor (a DERIVE move's path ends at
+    #: its operand's)
+    nodes: dict[int, Any] = field(default_factory=dict)
 
     @classmethod
     def start(cls, tally: Tally) -> Recorder:
@@ -244,6 +253,14 @@ class Recorder:
         as the recorder: their ids are theirs)."""
         return self.positions.get(id(entry), -1)
 
+    def position_of_value(self, value: torch.Tensor) -> int:
+        """The position of the move whose entry holds ``value`` as is (a statistic), or -1."""
+        for i in range(len(self.entries) - 1, -1, -1):
+            entry = self.entries[i]
+            if entry is not None and entry.value is value:
+                return i
+        return -1
+
     def refuse(self) -> None:
         self.replayable = False
 
@@ -256,8 +273,13 @@ class Recorder:
                 continue
             value = entry.value
             if entry.compressor is None and isinstance(value, torch.Tensor):
-                if move.kind == CODE:
+                if move.kind in (CODE, DERIVE):
                     move.kind, move.compressor, move.variant = KEEP, None, ""
+                    move.derive = None
+                continue
+            if move.kind == DERIVE:
+                if not isinstance(value, Recomputed) or entry.compressor is not move.compressor:
+                    return False
                 continue
             if move.kind != CODE or entry.compressor is not move.compressor:
                 return False
@@ -344,6 +366,9 @@ class Replayer:
         for move in rec.moves:
             if move.kind == SHARED:
                 rec.moves[move.shares].keyed = True
+            elif move.derive is not None:
+                for p in (move.derive.source, *move.derive.stats):
+                    rec.moves[p].feeds = True
         totals = _diff(rec.before, tally)
         param_refs = tally.param_refs - rec.param_refs
         signature = (
@@ -423,7 +448,7 @@ class Replayer:
             if (
                 base != m.base
                 and not (m.copy and t.grad_fn is None)
-                and not _is_state(t, self.state)
+                and not is_state(t, self.state)
             ):
                 return None
             return Saved(Entry.kept(t.detach(), site, t._version))
@@ -436,6 +461,11 @@ class Replayer:
             tls.bases.code(i, t)
             entry = Entry(packed, m.compressor, site, t._version, None, m.variant, t)
             entry.strides = dense_strides(t)
+        elif kind == DERIVE:
+            rebuilt = self._rederive(t, m, tls)
+            if rebuilt is None:
+                return None
+            entry = rebuilt
         else:
             entry = Entry.kept(t.detach(), site, t._version)
             entry.reason = m.reason
@@ -447,7 +477,28 @@ class Replayer:
         if m.keyed:  # a later save shares it
             tls.entries[i] = entry
             tls.keys[i] = dedupe_key(t)
+        if m.feeds:  # a later recomputed save reads it
+            tls.entries[i] = entry
+            tls.nodes[i] = t.grad_fn
         return Saved(entry)
+
+    def _rederive(self, t: torch.Tensor, m: Move, tls: ThreadState) -> Entry | None:
+        """A DERIVE move's entry: ``t`` kept as its recipe over this step's operand, the
+        compressor told (a budget counts it), or None on a guard miss."""
+        d, site = m.derive, m.site
+        assert d is not None and site is not None
+        if type(t.grad_fn) is not m.node or t.stride() != m.strides:
+            return None
+        value = rebuild(d, t, tls.entries, tls.nodes, self.state)
+        if value is None:
+            return None
+        compressor = m.compressor
+        told = getattr(compressor, "derived", None)
+        if told is not None:
+            told(t, site, [source.site for source, _ in value.sources])
+        entry = Entry(value, compressor, site, t._version, None, m.variant, t)
+        entry.strides = dense_strides(t)
+        return entry
 
     def finish_replay(self, tls: ThreadState) -> bool:
         """A replayed forward ended: count what it saved. False when it saved other than
@@ -516,11 +567,13 @@ class Replayer:
             row.held_bytes += m.held
             if m.kind == CODE:
                 row.compressed += 1
+            elif m.kind == DERIVE:
+                row.derived += 1
             if m.reason:
                 row.declined[m.reason] += 1
 
 
-def _is_state(t: torch.Tensor, state: Callable[[], set[int]]) -> bool:
+def is_state(t: torch.Tensor, state: Callable[[], set[int]]) -> bool:
     """A parameter save of the trace is still a parameter (or a view of one) or a tensor
     over a parameter's or buffer's storage."""
     if isinstance(t, torch.nn.Parameter) or (t.requires_grad and t.is_leaf):
@@ -531,4 +584,14 @@ def _is_state(t: torch.Tensor, state: Callable[[], set[int]]) -> bool:
     return storage_base(t) in state() or parameter_copy(t, ())
 
 
-__all__ = ["CODE", "KEEP", "MISSED_REASON", "PARAM", "SHARED", "Move", "Recorder", "Replayer"]
+__all__ = [
+    "CODE",
+    "DERIVE",
+    "KEEP",
+    "MISSED_REASON",
+    "PARAM",
+    "SHARED",
+    "Move",
+    "Recorder",
+    "Replayer",
+]

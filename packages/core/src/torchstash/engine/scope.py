@@ -82,6 +82,8 @@ class ThreadState(threading.local):
         self.bases = FirstSaves()
         self.entries: dict[int, Entry] = {}
         self.keys: dict[int, tuple[Any, ...]] = {}
+        #: by position, the autograd nodes of the operands later recomputed saves read
+        self.nodes: dict[int, Any] = {}
         #: a replayed save missed its guard: the rest of this forward is kept as is
         self.missed = False
         #: parameters' and buffers' addresses (None: not read yet this forward)
@@ -141,6 +143,7 @@ class Scoping:
                 tls.bases = FirstSaves()
                 tls.entries = {}
                 tls.keys = {}
+                tls.nodes = {}
             # a model's parameters and buffers: read now for the full path, when first
             # needed for a replayed one; a stash block's modules add theirs as they run
             if self._skip_ptrs is None:
@@ -172,6 +175,7 @@ class Scoping:
             tls.replaying = None
             tls.entries = {}
             tls.keys = {}
+            tls.nodes = {}
             tls.bases = FirstSaves()
         elif tls.recorder is not None:
             recorder, tls.recorder = tls.recorder, None

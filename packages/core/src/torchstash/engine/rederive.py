@@ -1,0 +1,212 @@
+"""Recomputed saves under replay: a BatchNorm's or LayerNorm's output (or a SiLU's) that a
+later op saves, kept as a recipe over the op's stored input, recorded once and rebuilt on the
+next steps without the op tracker.
+
+On the full path the tracker sees the op's call (its weight and bias, the statistics it
+saved) and its result, so the later save is matched to the output by identity
+(:mod:`.recompute`). A replayed forward sees only the saves. What a recording holds instead:
+which earlier saves of the forward are the operand and the statistics (the moves at those
+positions), the recipe's arguments (parameters and buffers only, the same objects each step),
+and the path through autograd's graph from the later save's node to the op's node and on to
+the operand's node (node types and edges: a ReLU in place after a BatchNorm is one step).
+A replayed save is rebuilt only when that path leads, node type by node type, to the very
+node that made this step's operand, and the op's node reads the recorded parameters (its
+edges to their gradient accumulators); anything else is a guard miss, kept exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..derive import Recipe, Replay
+from ..packed import storage_base
+from .entries import RELEASED, Entry, Recomputed
+
+if TYPE_CHECKING:
+    from .replay import Recorder
+
+#: ops whose recipe reads nothing of the call but parameters and the saved statistics (a
+#: GELU's reads its ``approximate``, an attention's several operands: not replayed)
+REPLAYED_OPS = frozenset({"batch_norm", "layer_norm", "silu", "hardswish"})
+
+#: edges walked from the later save's node to the op's node, at most, beyond the recipe's
+#: layout steps
+EXTRA_DEPTH = 2
+
+#: (node type, the edge taken): from the later save's node to the operand's
+Path = tuple[tuple[Any, int], ...]
+
+
+@dataclass(slots=True, eq=False)
+class Rederive:
+    """A recomputed save as recorded: what a replay needs to rebuild it, and checks."""
+
+    #: the recipe with its statistics left out (this step's are the statistics' moves')
+    recipe: Recipe
+    #: the operand's move and the shape its op saved it in
+    source: int
+    shape: torch.Size
+    #: the statistics' moves, in the recipe's order
+    stats: tuple[int, ...]
+    #: autograd's graph from the save's node to the operand's node
+    path: Path
+    #: the op node's edges to its parameters' gradient accumulators: (edge, parameter)
+    edges: tuple[tuple[int, torch.Tensor], ...]
+    #: arguments without a gradient (frozen weights, buffers): still the model's state
+    frozen: tuple[torch.Tensor, ...]
+
+    def signature(self) -> tuple[Any, ...]:
+        r = self.recipe
+        steps = tuple(
+            (s.func, tuple(s.args), tuple(sorted(s.kwargs.items())), s.index, s.autocast)
+            for s in r.steps
+            if isinstance(s, Replay)
+        )
+        return (
+            r.op,
+            tuple((k, id(v)) for k, v in r.arguments.items()),
+            r.dtype,
+            r.shape,
+            r.arity,
+            r.autocast,
+            steps,
+            self.source,
+            tuple(self.shape),
+            self.stats,
+            self.path,
+            tuple((k, id(p)) for k, p in self.edges),
+            tuple(id(p) for p in self.frozen),
+        )
+
+
+def record(
+    value: Recomputed,
+    t: torch.Tensor,
+    rec: Recorder,
+    is_state: Callable[[torch.Tensor], bool],
+) -> Rederive | None:
+    """The recorded form of the save ``t`` kept as ``value``, or None where a replay could
+    not rebuild it (the recording then refuses)."""
+    recipe = value.recipe
+    if recipe.op not in REPLAYED_OPS or recipe.arity != 1 or len(value.sources) != 1:
+        return None
+    for step in recipe.steps:  # a mask or a scale held: this step's, not the next one's
+        if not isinstance(step, Replay) or step.held or step.constants:
+            return None
+    arguments = []
+    for a in recipe.arguments.values():
+        if a is None:
+            continue
+        if not isinstance(a, torch.Tensor) or not is_state(a):
+            return None
+        arguments.append(a)
+    ((entry, shape),) = value.sources
+    source = rec.position(entry)
+    if source < 0 or rec.nodes.get(source) is None:
+        return None
+    stats = []
+    for s in recipe.stats:
+        p = rec.position_of_value(s)
+        if p < 0:
+            return None
+        stats.append(p)
+    path = _path(t.grad_fn, rec.nodes[source], len(recipe.steps) + EXTRA_DEPTH)
+    if path is None:
+        return None
+    op_node = _walk(t.grad_fn, path[:-1])
+    assert op_node is not None
+    edges, frozen = [], []
+    nexts = op_node.next_functions
+    for a in arguments:
+        k = next(
+            (
+                k
+                for k, (n, _) in enumerate(nexts)
+                if n is not None and getattr(n, "variable", None) is a
+            ),
+            -1,
+        )
+        if k >= 0:
+            edges.append((k, a))
+        elif a.requires_grad:
+            return None  # a weight with a gradient the op's node does not read: not its own
+        else:
+            frozen.append(a)
+    template = dataclasses.replace(recipe, stats=[])
+    return Rederive(template, source, shape, tuple(stats), path, tuple(edges), tuple(frozen))
+
+
+def rebuild(
+    d: Rederive,
+    t: torch.Tensor,
+    entries: dict[int, Entry],
+    nodes: dict[int, Any],
+    state: Callable[[], set[int]],
+) -> Recomputed | None:
+    """This step's value of a recorded recomputed save ``t``, or None on a guard miss."""
+    target = nodes.get(d.source)
+    node = _walk(t.grad_fn, d.path[:-1])
+    if node is None or target is None:
+        return None
+    kind, k = d.path[-1]
+    if type(node) is not kind:
+        return None
+    nexts = node.next_functions
+    if k >= len(nexts) or nexts[k][0] is not target:
+        return None
+    for k, p in d.edges:
+        if k >= len(nexts) or getattr(nexts[k][0], "variable", None) is not p:
+            return None
+    if d.frozen:
+        live = state()
+        if any(storage_base(a) not in live for a in d.frozen):
+            return None
+    source = entries.get(d.source)
+    if source is None or source.value is RELEASED:
+        return None
+    stats = []
+    for p in d.stats:
+        kept = entries.get(p)
+        if kept is None or not isinstance(kept.value, torch.Tensor) or kept.value is RELEASED:
+            return None
+        stats.append(kept.value)
+    recipe = dataclasses.replace(d.recipe, stats=stats)
+    source.pending += 1
+    return Recomputed([(source, d.shape)], recipe, t.shape)
+
+
+def _walk(node: Any, path: Path) -> Any:
+    """The node reached from ``node`` along ``path`` (types checked), or None."""
+    for kind, k in path:
+        if node is None or type(node) is not kind:
+            return None
+        nexts = node.next_functions
+        if k >= len(nexts):
+            return None
+        node = nexts[k][0]
+    return node
+
+
+def _path(start: Any, target: Any, depth: int) -> Path | None:
+    """The shortest path of edges from ``start`` to ``target`` in autograd's graph, at most
+    ``depth`` long, or None."""
+    if start is None or target is None:
+        return None
+    frontier: list[tuple[Any, Path]] = [(start, ())]
+    for _ in range(depth):
+        grown = []
+        for node, path in frontier:
+            for k, (n, _) in enumerate(node.next_functions):
+                if n is None:
+                    continue
+                step = (*path, (type(node), k))
+                if n is target:
+                    return step
+                grown.append((n, step))
+        frontier = grown
+    return None
