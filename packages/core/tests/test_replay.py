@@ -284,12 +284,24 @@ def test_apply_after_remove_records_afresh(tracked: Tracked) -> None:
         same_as_stock(stock, model, x)
 
 
+class SelfAttention(nn.Module):
+    """Written-out attention: which operand of which matmul a tensor is reads the call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return (h @ h.transpose(-1, -2)).softmax(-1) @ h
+
+
 def test_a_code_that_reads_the_op_call_records_every_step(tracked: Tracked) -> None:
-    """A GELU's derivative code reads the call's ``approximate``: a forward holding one is
-    not replayed (codes that read nothing of the call do: the quant plug-in's tests)."""
+    """Attention's codes read the call (which operand of which matmul): a forward holding one
+    is not replayed (codes that read nothing of the call do: the quant plug-in's tests)."""
     pytest.importorskip("torchstash_quant")
-    _, model = pair(mlp)
-    x = torch.randn(64, 16)
+    _, model = pair(SelfAttention)
+    x = torch.randn(4, 64, 16)
     with torchstash.apply(model, "quant.int8") as handle:
         counts = [tracked.during(lambda: grads(model, x)) for _ in range(4)]
         assert all(c > 0 for c in counts)

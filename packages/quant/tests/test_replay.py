@@ -115,18 +115,28 @@ def grads_of(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters() if p.grad is not None]
 
 
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return (h @ h.transpose(-1, -2)).softmax(-1) @ h
+
+
 def test_a_code_that_reads_the_op_call_records_every_step(tracked: Tracked) -> None:
-    """A max pool's positions (its geometry), a GELU's derivative code (its ``approximate``)
-    and attention's operands (which matmul) read the call: those forwards keep recording."""
-
-    def pooled() -> nn.Module:
-        return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten())
-
-    for build, strategy in ((pooled, "quant.int2"), (_gelu_mlp, "quant.int2")):
+    """A GELU's derivative code (its ``approximate``) and attention's operands (which operand
+    of which matmul) read the call: those forwards keep recording."""
+    cases: tuple[tuple[Callable[[], nn.Module], dict[str, object]], ...] = (
+        (_Attention, {}),
+        (_gelu_mlp, {"deriv_bits": 4, "act_bits": None}),  # GELU inputs as derivative codes
+    )
+    for build, options in cases:
         torch.manual_seed(0)
         model = build()
-        x = torch.randn(2, 3, 12, 12) if build is pooled else torch.randn(8, 16)
-        with ts.apply(model, strategy) as handle:
+        x = torch.randn(2, 32, 16) if build is _Attention else torch.randn(8, 16)
+        with ts.apply(model, "quant.int2", **options) as handle:
             counts = [tracked.during(lambda: grads(model, x)) for _ in range(4)]  # noqa: B023
             assert all(c > 0 for c in counts), build
             assert handle.engine.replayer.trace is None
@@ -134,6 +144,34 @@ def test_a_code_that_reads_the_op_call_records_every_step(tracked: Tracked) -> N
 
 def _gelu_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+
+
+def _pooled() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.ReLU(), nn.MaxPool2d(3, 2, 1), nn.Flatten(), nn.Linear(200, 4)
+    )
+
+
+def test_a_max_pool_replays_with_its_geometry_recalled(tracked: Tracked) -> None:
+    """A max pool's positions read its geometry from the call; recorded once (``recall``),
+    it comes back on each replayed save, and the code checks the positions give the indices
+    back: the full path's gradients and bytes, bit for bit."""
+    full, ours, a, b = twins("quant.int2", _pooled)
+    x = torch.randn(2, 3, 12, 12)
+    try:
+        for step in range(4):
+            a.tally.reset()
+            b.tally.reset()
+            want = grads(full, x)
+            calls = tracked.during(lambda: grads(ours, x))
+            for g, w in zip(grads_of(ours), want, strict=True):
+                torch.testing.assert_close(g, w, rtol=0, atol=0)
+            assert rows(b.tally) == rows(a.tally)
+            assert (calls == 0) == (step >= 2)
+        assert any("pool" in op for r in b.tally.rows.values() for op in r.ops)
+    finally:
+        a.remove()
+        b.remove()
 
 
 def test_a_code_of_other_bytes_is_a_guard_miss_kept_exact() -> None:
@@ -317,3 +355,23 @@ def test_a_code_read_twice_is_decoded_once(replay: bool, monkeypatch: pytest.Mon
             assert decoded and len(decoded) == len(set(decoded))
         assert sum(r.derived for r in handle.tally.rows.values()) > 0
         assert (handle.engine.replayer.replayed > 0) == replay
+
+
+def test_a_recomputed_gelu_replays_only_with_its_approximation() -> None:
+    """A GELU's output recomputed from its coded input replays while the GELU node keeps the
+    recorded ``approximate``; switched to ``tanh``, the save is a guard miss, and the
+    gradients are the tanh GELU's (a stale recipe would recompute the exact one)."""
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 4))
+    ours = copy.deepcopy(stock)
+    x = torch.randn(64, 32) * 3
+    with ts.apply(ours, "quant.int8") as handle:
+        for _ in range(4):
+            assert close_to(grads(ours, x), grads(stock, x), 0.02)
+        replayer = handle.engine.replayer
+        assert replayer.replayed == 2
+        assert sum(r.derived for r in handle.tally.rows.values()) > 0
+        for m in (stock, ours):
+            m[1].approximate = "tanh"
+        assert close_to(grads(ours, x), grads(stock, x), 0.02)
+        assert replayer.missed == 1

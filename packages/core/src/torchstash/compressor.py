@@ -38,7 +38,10 @@ class Compressor(Protocol):
     tensor of one shape, dtype and layout always takes the same bytes, sets ``replays = True``
     (or says so per save, ``replays_at(x, site) -> bool``, asked while the call runs): the
     engine then replays its decision on later steps without the op tracker, calling
-    ``compress`` with the site less its call (:mod:`torchstash.engine.replay`). One whose
+    ``compress`` with the site less its call (:mod:`torchstash.engine.replay`). A code that
+    reads plain values of the call (a max pool's geometry) and checks its own result defines
+    ``recall(x, site) -> object``: asked while the call runs, its answer comes back on each
+    replayed save as ``site.recalled``. One whose
     widths change now and then (an allocation) also defines ``replays_next() -> bool``: False
     sends the next forward down the full path and records it anew.
     """

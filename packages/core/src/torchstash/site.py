@@ -104,6 +104,9 @@ class Site:
     training: bool = True
     #: the op call's arguments, while it runs (:data:`NO_CALL` in the sites the engine keeps)
     opcall: OpCall = field(default=NO_CALL, compare=False, repr=False)
+    #: on a replayed save, what its compressor noted of the call when the save was recorded
+    #: (its ``recall``: a max pool's geometry); None otherwise
+    recalled: Any = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> str:

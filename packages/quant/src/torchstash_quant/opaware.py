@@ -239,8 +239,10 @@ class OpAware(BaseCompressor):
         if site.op in ATTENTION_OPS or site.op == SDPA:
             return False
         kind = self.variant(x, site)
+        if kind == "pool":  # its geometry recalled (:meth:`recall`); its code checks itself
+            return self.recall(x, site) is not None
         if kind in EXACT_KINDS:
-            return kind != "pool"
+            return True
         if kind == "deriv":
             return site.op != "gelu" and self.derivs is not None
         codec = self.values
@@ -249,6 +251,14 @@ class OpAware(BaseCompressor):
             if layout is None or self._aligned(layout[1]) is None:
                 codec = self.norms
         return replays_at(codec, x, site)
+
+    def recall(self, x: torch.Tensor, site: Site) -> object:
+        """What a replayed save's code reads of the call: a max pool's geometry (its
+        positions are checked to give the indices back, so a geometry that no longer fits
+        keeps the indices as they are)."""
+        if self.variant(x, site) != "pool":
+            return None
+        return pool_geometry(site.opcall.args, dict(site.opcall.kwargs))
 
     def replays_next(self) -> bool:
         return all(replays_next(c) for c in (self.values, self.norms, self.scores) if c is not None)
@@ -306,7 +316,7 @@ class OpAware(BaseCompressor):
         if kind == "dropmask":
             return pack_scaled_mask(x)
         if kind == "pool":
-            geometry = pool_geometry(site.opcall.args, dict(site.opcall.kwargs))
+            geometry = site.recalled or pool_geometry(site.opcall.args, dict(site.opcall.kwargs))
             packed = None if geometry is None else pack_pool_positions(x, geometry)
             return x if packed is None else packed
         if kind == "deriv":

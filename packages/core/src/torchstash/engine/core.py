@@ -10,6 +10,7 @@ failing compressor's error names everything a user needs (:mod:`.messages`).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -196,11 +197,15 @@ class Engine(Scoping, Recomputation):
             if kind != DERIVE:
                 rec.nodes[len(rec.moves)] = t.grad_fn
             if kind != KEEP:
+                recall = getattr(entry.compressor, "recall", None)
+                if recall is not None and kind == CODE:
+                    move.site = dataclasses.replace(entry.site, recalled=recall(t, site))
                 move.compressor, move.variant = entry.compressor, variant
                 move.node, move.strides = type(t.grad_fn), t.stride()
                 move.derive = derive
-            if isinstance(value, Packed):
+            if kind != KEEP:  # the entry does not hold the tensor: its storage may go
                 rec.firsts.code(len(rec.moves), t)
+            if isinstance(value, Packed):
                 move.code_bytes = value.nbytes()
             move.raw = row.raw_bytes - before[0]
             move.stored = row.stored_bytes - before[1]

@@ -132,6 +132,8 @@ def without_call(site: Site) -> Site:
         site.ordinal,
         site.call,
         site.training,
+        NO_CALL,
+        site.recalled,
     )
 
 

@@ -30,13 +30,15 @@ from .entries import RELEASED, Entry, Recomputed
 if TYPE_CHECKING:
     from .replay import Recorder
 
-#: ops whose recipe reads nothing of the call but parameters and the saved statistics (a
-#: GELU's reads its ``approximate``, an attention's several operands: not replayed)
-REPLAYED_OPS = frozenset({"batch_norm", "layer_norm", "silu", "hardswish"})
+#: ops of one operand whose recipe reads parameters, the saved statistics and plain values
+#: the op's node keeps (a GELU's ``approximate``); an attention's several operands are not
+#: replayed
+REPLAYED_OPS = frozenset({"batch_norm", "layer_norm", "silu", "hardswish", "gelu"})
 
 #: edges walked from the later save's node to the op's node, at most, beyond the recipe's
-#: layout steps
-EXTRA_DEPTH = 2
+#: carried steps (views and aliases between them carry no step: Hugging Face's GPT-2 feeds its
+#: projections a view of an alias of a view of the LayerNorm's output)
+EXTRA_DEPTH = 4
 
 #: (node type, the edge taken): from the later save's node to the operand's
 Path = tuple[tuple[Any, int], ...]
@@ -59,6 +61,8 @@ class Rederive:
     edges: tuple[tuple[int, torch.Tensor], ...]
     #: arguments without a gradient (frozen weights, buffers): still the model's state
     frozen: tuple[torch.Tensor, ...]
+    #: the plain arguments, as the op's node keeps them (``_saved_approximate``)
+    checks: tuple[tuple[str, Any], ...] = ()
 
     def signature(self) -> tuple[Any, ...]:
         r = self.recipe
@@ -81,6 +85,7 @@ class Rederive:
             self.path,
             tuple((k, id(p)) for k, p in self.edges),
             tuple(id(p) for p in self.frozen),
+            self.checks,
         )
 
 
@@ -98,13 +103,16 @@ def record(
     for step in recipe.steps:  # a mask or a scale held: this step's, not the next one's
         if not isinstance(step, Replay) or step.held or step.constants:
             return None
-    arguments = []
-    for a in recipe.arguments.values():
+    arguments, plain = [], []
+    for name, a in recipe.arguments.items():
         if a is None:
             continue
-        if not isinstance(a, torch.Tensor) or not is_state(a):
+        if not isinstance(a, torch.Tensor):
+            plain.append((f"_saved_{name}", a))
+        elif not is_state(a):
             return None
-        arguments.append(a)
+        else:
+            arguments.append(a)
     ((entry, shape),) = value.sources
     source = rec.position(entry)
     if source < 0 or rec.nodes.get(source) is None:
@@ -115,11 +123,14 @@ def record(
         if p < 0:
             return None
         stats.append(p)
-    path = _path(t.grad_fn, rec.nodes[source], len(recipe.steps) + EXTRA_DEPTH)
+    path = _path(t.grad_fn, operand_node(rec.nodes[source]), len(recipe.steps) + EXTRA_DEPTH)
     if path is None:
         return None
     op_node = _walk(t.grad_fn, path[:-1])
     assert op_node is not None
+    missing = object()
+    if any(getattr(op_node, name, missing) != value for name, value in plain):
+        return None  # a plain argument the node does not keep: nothing to check it by
     edges, frozen = [], []
     nexts = op_node.next_functions
     for a in arguments:
@@ -138,7 +149,9 @@ def record(
         else:
             frozen.append(a)
     template = dataclasses.replace(recipe, stats=[])
-    return Rederive(template, source, shape, tuple(stats), path, tuple(edges), tuple(frozen))
+    return Rederive(
+        template, source, shape, tuple(stats), path, tuple(edges), tuple(frozen), tuple(plain)
+    )
 
 
 def rebuild(
@@ -149,7 +162,7 @@ def rebuild(
     state: Callable[[], set[int]],
 ) -> Recomputed | None:
     """This step's value of a recorded recomputed save ``t``, or None on a guard miss."""
-    target = nodes.get(d.source)
+    target = operand_node(nodes.get(d.source))
     node = _walk(t.grad_fn, d.path[:-1])
     if node is None or target is None:
         return None
@@ -161,6 +174,9 @@ def rebuild(
         return None
     for k, p in d.edges:
         if k >= len(nexts) or getattr(nexts[k][0], "variable", None) is not p:
+            return None
+    for name, value in d.checks:
+        if getattr(node, name, None) != value:
             return None
     if d.frozen:
         live = state()
@@ -178,6 +194,14 @@ def rebuild(
     recipe = dataclasses.replace(d.recipe, stats=stats)
     source.pending += 1
     return Recomputed([(source, d.shape)], recipe, t.shape)
+
+
+def operand_node(node: Any) -> Any:
+    """The node of the op's operand as its output's graph reaches it: for the copy an
+    in-place SiLU or Hardswish saves of its input (a clone), the node of what it copied."""
+    if type(node).__name__ == "CloneBackward0" and node.next_functions:
+        return node.next_functions[0][0]
+    return node
 
 
 def _walk(node: Any, path: Path) -> Any:

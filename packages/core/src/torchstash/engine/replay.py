@@ -205,7 +205,8 @@ class FirstSaves:
         return j
 
     def code(self, position: int, t: torch.Tensor) -> None:
-        """The save at ``position`` was coded: its storage is an alias target while it lives."""
+        """The save at ``position`` was coded or recomputed (its entry holds no tensor): its
+        storage is an alias target while it lives."""
         if t.numel():
             self.coded[position] = weakref.ref(t.untyped_storage())
 
@@ -465,6 +466,7 @@ class Replayer:
             rebuilt = self._rederive(t, m, tls)
             if rebuilt is None:
                 return None
+            tls.bases.code(i, t)
             entry = rebuilt
         else:
             entry = Entry.kept(t.detach(), site, t._version)
