@@ -166,3 +166,52 @@ def test_state_dict_and_deepcopy_unaffected() -> None:
     with torch.no_grad():
         torch.testing.assert_close(twin(x), model(x))
     handle.remove()
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)
+    )
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_graph_compiled_for_a_stock_copy_is_never_reused(backend: str) -> None:
+    """A stock copy compiled first (to compare), then the strategy applied to another copy and
+    that compiled: dynamo guards a frame on its module's type, and an applied model takes a
+    subclass of its own (same name), so the stock graph, which runs no hook, is not reused
+    (it was: nothing compressed, no warning, stock's gradients): the fallback warns, the tally
+    counts, the gradients are eager's. ``remove`` gives the class back."""
+    x = torch.randn(8, 256)
+    model = _mlp()
+    with ts.apply(model, "quant.int8", seed=0):
+        model(x).square().sum().backward()
+        eager = [p.grad.clone() for p in model.parameters()]
+    stock = _mlp()
+    torch.compile(stock, backend=backend)(x).square().sum().backward()
+    model = _mlp()
+    handle = ts.apply(model, "quant.int8", seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CompileFallbackWarning)
+        torch.compile(model, backend=backend)(x).square().sum().backward()
+    assert [w.category for w in caught] == [CompileFallbackWarning]
+    assert 0 < handle.tally.stored_bytes < handle.tally.raw_bytes
+    for ga, p in zip(eager, model.parameters(), strict=True):
+        assert torch.equal(ga, p.grad)
+    assert type(model).__name__ == type(stock).__name__ and type(model) is not type(stock)
+    handle.remove()
+    assert type(model) is type(stock)
+
+
+def test_fullgraph_is_an_error_naming_the_strategy_and_what_to_do() -> None:
+    entry = MODELS["gpt"]
+    torch.manual_seed(0)
+    model = entry.build()
+    x, y = entry.batch(2, torch.device("cpu"))
+    with ts.apply(model, "quant.int8"):
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        with pytest.raises(torch._dynamo.exc.Unsupported) as caught:
+            entry.loss(compiled, x, y)  # type: ignore[arg-type]
+    text = str(caught.value)
+    assert "torchstash: 'quant.int8' is applied to this model" in text
+    assert "Compile without fullgraph=True" in text

@@ -43,17 +43,38 @@ def _call_eagerly(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 _DISABLED: dict[str, Callable[..., Any]] = {}
 
 
-def _prepare() -> None:
+def _prepare(strategy: str | None = None) -> None:
     """Make the disabled functions (imports dynamo): at apply time, before any tracing."""
     if not _DISABLED:
         _DISABLED["run"] = torch.compiler.disable(_call_eagerly, reason=_REASON)
-        _DISABLED["warn"] = torch.compiler.disable(_warn, reason="a warning, once")
+    for what in ("eager", "traced"):
+        key = f"warn:{strategy}:{what}"
+        if strategy is not None and key not in _DISABLED:
+            _DISABLED[key] = torch.compiler.disable(_warn, reason=fullgraph_reason(strategy, what))
+
+
+def fullgraph_reason(strategy: str, what: str) -> str:
+    """What ``torch.compile(..., fullgraph=True)`` reports (its error quotes the reason a
+    disabled function gives): the warning's call is where the graph must break."""
+    if what == "eager":
+        return (
+            f"torchstash: {strategy!r} is applied to this model and compresses saved tensors in "
+            "Python hooks that a compiled graph cannot run, so the model runs eagerly under "
+            "torch.compile; fullgraph=True forbids that. Compile without fullgraph=True (memory "
+            "is saved, as eagerly), use a rewrite-only strategy (memsave), or remove() the "
+            "strategy before compiling"
+        )
+    return (
+        f"torchstash: {strategy!r} is applied to this model, which Module.compile() traces "
+        "past its eager fallback: call torch.compile(model) instead, without fullgraph=True"
+    )
 
 
 def warn_compiled(module: nn.Module, what: str) -> None:
     """Warn once per model (dynamo calls this at run time where it met it while tracing)."""
-    _prepare()
-    _DISABLED["warn"](module, what)
+    strategy = _STRATEGY.get(module, "the applied strategy")
+    _prepare(strategy)
+    _DISABLED[f"warn:{strategy}:{what}"](module, what)
 
 
 def _warn(module: nn.Module, what: str) -> None:
@@ -87,19 +108,42 @@ def _eager_call_impl(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return _DISABLED["run"](self, *args, **kwargs)
 
 
+#: per model class, the subclass an applied model of it takes (see :class:`EagerUnderCompile`)
+_APPLIED: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
+
+
+def applied_class(cls: type) -> type:
+    """A subclass of ``cls`` that adds nothing, under the same name: the class of a model a
+    compressing strategy is applied to. Dynamo guards a compiled frame on its module's type,
+    so a graph compiled for a stock model of ``cls`` (a copy compiled to compare, say) is
+    never reused for the applied one, whose hooks that graph does not run: the strategy
+    would silently do nothing."""
+    if cls in _APPLIED.values():
+        return cls
+    sub = _APPLIED.get(cls)
+    if sub is None:
+        names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        sub = _APPLIED[cls] = type(cls.__name__, (cls,), names)
+    return sub
+
+
 class EagerUnderCompile:
     """Makes ``model`` run eagerly when a compiled function calls it; ``remove`` undoes it."""
 
     def __init__(self, model: nn.Module, strategy: str) -> None:
-        _prepare()
+        _prepare(strategy)
         self._model = weakref.ref(model)
         _STRATEGY[model] = strategy
+        self._class = type(model)
+        model.__class__ = applied_class(self._class)
         object.__setattr__(model, "_call_impl", _eager_call_impl.__get__(model))
 
     def remove(self) -> None:
         model = self._model()
         if model is None:
             return
+        if type(model) is _APPLIED.get(self._class):
+            model.__class__ = self._class
         model.__dict__.pop("_call_impl", None)
         _STRATEGY.pop(model, None)
         _WARNED.pop(model, None)
