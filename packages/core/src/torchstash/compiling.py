@@ -135,7 +135,10 @@ class EagerUnderCompile:
         self._model = weakref.ref(model)
         _STRATEGY[model] = strategy
         self._class = type(model)
-        model.__class__ = applied_class(self._class)
+        try:
+            model.__class__ = applied_class(self._class)
+        except TypeError:  # a class whose __init_subclass__ wants arguments: left as it is
+            pass
         object.__setattr__(model, "_call_impl", _eager_call_impl.__get__(model))
 
     def remove(self) -> None:
