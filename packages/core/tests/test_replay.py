@@ -15,26 +15,7 @@ from torch import nn
 import torchstash
 from torchstash.engine.replay import MAX_MISSES, MISSED_REASON
 from torchstash.errors import CompressionError
-from torchstash.optrack import OpTracker
-
-
-class Tracked:
-    """Counts the torch calls the op tracker sees."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls = 0
-        original = OpTracker.__torch_function__
-
-        def counting(mode, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.calls += 1
-            return original(mode, func, types, args, kwargs)
-
-        monkeypatch.setattr(OpTracker, "__torch_function__", counting)
-
-    def during(self, step: Callable[[], object]) -> int:
-        before = self.calls
-        step()
-        return self.calls - before
+from torchstash.testing.replay import Tracked, tally_rows
 
 
 class Skipper(nn.Module):
@@ -83,21 +64,6 @@ def tracked(monkeypatch: pytest.MonkeyPatch) -> Tracked:
     return Tracked(monkeypatch)
 
 
-def rows(tally: torchstash.Tally) -> dict[str, tuple[object, ...]]:
-    return {
-        k: (
-            r.saved,
-            r.shared,
-            r.raw_bytes,
-            r.stored_bytes,
-            r.held_bytes,
-            dict(r.declined),
-            dict(r.ops),
-        )
-        for k, r in tally.rows.items()
-    }
-
-
 def test_a_steady_model_runs_without_the_op_tracker_after_two_recordings(
     tracked: Tracked,
 ) -> None:
@@ -122,7 +88,7 @@ def test_a_replayed_step_counts_what_a_recorded_one_counts(batch: int) -> None:
         for _ in range(4):
             handle.tally.reset()
             grads(model, x)
-            seen.append((rows(handle.tally), handle.tally.param_refs))
+            seen.append((tally_rows(handle.tally), handle.tally.param_refs))
         assert handle.engine.replayer.replayed == 2
         assert seen[0] == seen[1] == seen[2] == seen[3]
 
@@ -144,7 +110,7 @@ def test_a_save_shared_by_two_ops_is_shared_when_replayed() -> None:
         for _ in range(4):
             handle.tally.reset()
             grads(model, x)
-            seen.append(rows(handle.tally))
+            seen.append(tally_rows(handle.tally))
         assert handle.engine.replayer.replayed == 2
         assert seen[0] == seen[3]
         assert sum(r[1] for r in seen[3].values()) > 0  # h saved by mul twice and by sin
@@ -355,7 +321,7 @@ def test_stash_blocks_of_one_strategy_share_a_replayer() -> None:
         got = torch.autograd.grad(loss, [w, layer.weight])
         for a, b in zip(want, got, strict=True):
             torch.testing.assert_close(b, a, rtol=0, atol=0)
-        seen.append((rows(block.tally), block.tally.param_refs))
+        seen.append((tally_rows(block.tally), block.tally.param_refs))
     replayer = block.engine.replayer
     assert replayer.replayed == 2 and replayer.missed == 0
     assert seen[0] == seen[3] and seen[0][0]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import torchstash as ts
+from torchstash.testing.replay import tally_rows
 from torchstash_memsave import functional as MF
 
 
@@ -33,13 +34,6 @@ def grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-def rows(tally: ts.Tally) -> dict[str, tuple[object, ...]]:
-    return {
-        k: (r.saved, r.shared, r.raw_bytes, r.stored_bytes, r.held_bytes, r.compressed)
-        for k, r in tally.rows.items()
-    }
-
-
 def test_memsave_replays_its_relu_code_and_counts_as_recorded() -> None:
     torch.manual_seed(0)
     stock = cnn()
@@ -51,7 +45,7 @@ def test_memsave_replays_its_relu_code_and_counts_as_recorded() -> None:
             handle.tally.reset()
             for a, b in zip(grads(stock, x), grads(model, x), strict=True):
                 torch.testing.assert_close(b, a, rtol=0, atol=0)
-            seen.append(rows(handle.tally))
+            seen.append(tally_rows(handle.tally))
         replayer = handle.engine.replayer
         assert (replayer.recorded, replayer.replayed, replayer.missed) == (2, 3, 0)
         assert seen[0] == seen[1] == seen[4]

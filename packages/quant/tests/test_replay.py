@@ -14,7 +14,8 @@ from torch import nn
 
 import torchstash as ts
 from torchstash.engine import Engine
-from torchstash.optrack import OpTracker
+from torchstash.engine.replay import Replayer
+from torchstash.testing.replay import Tracked, tally_rows
 from torchstash_quant.strategies import auto
 
 #: strategies whose codes on a conv-BN-ReLU net all replay (at 4 bits and up, each
@@ -42,32 +43,6 @@ def grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-def rows(tally: ts.Tally) -> dict[str, tuple[object, ...]]:
-    return {
-        k: (r.saved, r.shared, r.raw_bytes, r.stored_bytes, r.held_bytes, r.compressed)
-        for k, r in tally.rows.items()
-    }
-
-
-class Tracked:
-    """Counts the torch calls the op tracker sees."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls = 0
-        original = OpTracker.__torch_function__
-
-        def counting(mode, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.calls += 1
-            return original(mode, func, types, args, kwargs)
-
-        monkeypatch.setattr(OpTracker, "__torch_function__", counting)
-
-    def during(self, step: Callable[[], object]) -> int:
-        before = self.calls
-        step()
-        return self.calls - before
-
-
 @pytest.fixture
 def tracked(monkeypatch: pytest.MonkeyPatch) -> Tracked:
     return Tracked(monkeypatch)
@@ -92,17 +67,8 @@ def test_codes_replay_bit_for_bit_and_count_as_the_full_path(
     strategy: str, tracked: Tracked
 ) -> None:
     full, ours, a, b = twins(strategy)
-    x = torch.randn(4, 3, 16, 16)
     try:
-        for step in range(5):
-            a.tally.reset()
-            b.tally.reset()
-            want = grads(full, x)
-            calls = tracked.during(lambda: grads(ours, x))
-            for g, w in zip(grads_of(ours), want, strict=True):
-                torch.testing.assert_close(g, w, rtol=0, atol=0)
-            assert rows(b.tally) == rows(a.tally)
-            assert (calls == 0) == (step >= 2), (step, calls)
+        as_the_full_path(full, ours, a, b, torch.randn(4, 3, 16, 16), tracked, steps=5)
         assert b.tally.stored_bytes < b.tally.raw_bytes / 3
         replayer = b.engine.replayer
         assert (replayer.recorded, replayer.replayed, replayer.missed) == (2, 3, 0)
@@ -111,35 +77,42 @@ def test_codes_replay_bit_for_bit_and_count_as_the_full_path(
         b.remove()
 
 
+def as_the_full_path(
+    full: nn.Module,
+    ours: nn.Module,
+    a: ts.Handle,
+    b: ts.Handle,
+    x: torch.Tensor,
+    tracked: Tracked,
+    steps: int,
+) -> None:
+    """Each step: ``ours`` (replaying after two recordings, without the op tracker) has the
+    gradients and tally rows of ``full`` (the full path every step), bit for bit."""
+    for step in range(steps):
+        a.tally.reset()
+        b.tally.reset()
+        want = grads(full, x)
+        calls = tracked.during(lambda: grads(ours, x))
+        for g, w in zip(grads_of(ours), want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        assert tally_rows(b.tally) == tally_rows(a.tally)
+        assert (calls == 0) == (step >= 2), (step, calls)
+
+
 def grads_of(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters() if p.grad is not None]
 
 
-class _Attention(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.proj(x)
-        return (h @ h.transpose(-1, -2)).softmax(-1) @ h
-
-
-def test_a_code_that_reads_the_op_call_records_every_step(tracked: Tracked) -> None:
-    """A GELU's derivative code (its ``approximate``) and attention's operands (which operand
-    of which matmul) read the call: those forwards keep recording."""
-    cases: tuple[tuple[Callable[[], nn.Module], dict[str, object]], ...] = (
-        (_Attention, {}),
-        (_gelu_mlp, {"deriv_bits": 4, "act_bits": None}),  # GELU inputs as derivative codes
-    )
-    for build, options in cases:
-        torch.manual_seed(0)
-        model = build()
-        x = torch.randn(2, 32, 16) if build is _Attention else torch.randn(8, 16)
-        with ts.apply(model, "quant.int2", **options) as handle:
-            counts = [tracked.during(lambda: grads(model, x)) for _ in range(4)]  # noqa: B023
-            assert all(c > 0 for c in counts), build
-            assert handle.engine.replayer.trace is None
+def test_a_derivative_code_records_every_step(tracked: Tracked) -> None:
+    """A GELU's derivative code reads the call's ``approximate``: a forward holding one keeps
+    recording (attention's codes too: the core's suite)."""
+    torch.manual_seed(0)
+    model = _gelu_mlp()
+    x = torch.randn(8, 16)
+    with ts.apply(model, "quant.int2", deriv_bits=4, act_bits=None) as handle:
+        counts = [tracked.during(lambda: grads(model, x)) for _ in range(4)]
+        assert all(c > 0 for c in counts)
+        assert handle.engine.replayer.trace is None
 
 
 def _gelu_mlp() -> nn.Module:
@@ -157,17 +130,8 @@ def test_a_max_pool_replays_with_its_geometry_recalled(tracked: Tracked) -> None
     it comes back on each replayed save, and the code checks the positions give the indices
     back: the full path's gradients and bytes, bit for bit."""
     full, ours, a, b = twins("quant.int2", _pooled)
-    x = torch.randn(2, 3, 12, 12)
     try:
-        for step in range(4):
-            a.tally.reset()
-            b.tally.reset()
-            want = grads(full, x)
-            calls = tracked.during(lambda: grads(ours, x))
-            for g, w in zip(grads_of(ours), want, strict=True):
-                torch.testing.assert_close(g, w, rtol=0, atol=0)
-            assert rows(b.tally) == rows(a.tally)
-            assert (calls == 0) == (step >= 2)
+        as_the_full_path(full, ours, a, b, torch.randn(2, 3, 12, 12), tracked, steps=4)
         assert any("pool" in op for r in b.tally.rows.values() for op in r.ops)
     finally:
         a.remove()
@@ -291,6 +255,19 @@ class Shifted(nn.Module):
         return self.conv2(torch.relu_(h))
 
 
+def replaying_recomputed(
+    ours: nn.Module, stock: nn.Module, x: torch.Tensor, handle: ts.Handle
+) -> Replayer:
+    """Four steps of ``ours`` within int8's noise of ``stock``: two recorded, two replayed,
+    with outputs recomputed from codes."""
+    for _ in range(4):
+        assert close_to(grads(ours, x), grads(stock, x), 0.02)
+    replayer = handle.engine.replayer
+    assert replayer.replayed == 2
+    assert sum(r.derived for r in handle.tally.rows.values()) > 0
+    return replayer
+
+
 def close_to(got: list[torch.Tensor], want: list[torch.Tensor], tol: float) -> bool:
     a, b = torch.cat([g.flatten() for g in got]), torch.cat([w.flatten() for w in want])
     return float((a - b).norm() / b.norm()) < tol
@@ -311,11 +288,7 @@ def test_a_recomputed_save_replays_only_from_its_own_op(change: str) -> None:
             m.bn.weight.requires_grad_(False)
     x = torch.randn(4, 3, 12, 12)
     with ts.apply(ours, "quant.int8") as handle:
-        for _ in range(4):
-            assert close_to(grads(ours, x), grads(stock, x), 0.02)
-        replayer = handle.engine.replayer
-        assert replayer.replayed == 2
-        assert sum(r.derived for r in handle.tally.rows.values()) > 0
+        replayer = replaying_recomputed(ours, stock, x, handle)
         if change == "shift":
             stock.shift = ours.shift = True  # type: ignore[assignment]
         else:
@@ -366,11 +339,7 @@ def test_a_recomputed_gelu_replays_only_with_its_approximation() -> None:
     ours = copy.deepcopy(stock)
     x = torch.randn(64, 32) * 3
     with ts.apply(ours, "quant.int8") as handle:
-        for _ in range(4):
-            assert close_to(grads(ours, x), grads(stock, x), 0.02)
-        replayer = handle.engine.replayer
-        assert replayer.replayed == 2
-        assert sum(r.derived for r in handle.tally.rows.values()) > 0
+        replayer = replaying_recomputed(ours, stock, x, handle)
         for m in (stock, ours):
             m[1].approximate = "tanh"
         assert close_to(grads(ours, x), grads(stock, x), 0.02)
