@@ -33,6 +33,8 @@ def test_doctor_json_is_the_whole_of_stdout(capsys: pytest.CaptureFixture[str]) 
     assert data["torch"] and data["python"] and isinstance(data["plugins"], list)
     assert code == (1 if data["problems"] else 0)
     assert "doctor" in captured.err  # the tables, for a person reading the terminal
+    # this torch (2.13 and up) inlines GraphModule saved-tensor hooks: docs/compile.md
+    assert data["torch.compile"].startswith("graph saved-tensor hooks: yes")
 
 
 def test_build_builds_the_kernels_ahead(capsys: pytest.CaptureFixture[str]) -> None:

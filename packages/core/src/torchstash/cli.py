@@ -171,6 +171,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     import torch
     from torch.utils import cpp_extension
 
+    from .compiling import graph_hooks_support
     from .registry import REGISTRY
 
     # with --json the tables go to stderr, so stdout is the JSON alone
@@ -191,6 +192,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         "C++ compiler": _first_line([cpp_extension.get_cxx_compiler(), "--version"]),
         "ninja": "yes" if cpp_extension.is_ninja_available() else "not found (pip install ninja)",
         "nvcc": _first_line(["nvcc", "--version"]),
+        "torch.compile": graph_hooks_support(),
     }
     for what, status in facts.items():
         t.add_row(what, status)

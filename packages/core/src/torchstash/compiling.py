@@ -150,3 +150,27 @@ class EagerUnderCompile:
         model.__dict__.pop("_call_impl", None)
         _STRATEGY.pop(model, None)
         _WARNED.pop(model, None)
+
+
+def graph_hooks_support() -> str:
+    """What the installed torch offers the compiled path (docs/compile.md): saved-tensor hooks
+    given as GraphModules, inlined by AOTAutograd, and the context that names each saved
+    value's node while they are traced. Imports AOTAutograd (a second or so): for ``doctor``."""
+    try:
+        from torch._functorch._aot_autograd import graph_compile, utils
+    except ImportError as e:
+        return f"no: {e}"
+    missing = [
+        name
+        for module, name in (
+            (utils, "saved_tensors_hooks_are_inlineable"),
+            (graph_compile, "_get_saved_tensor_hook_context"),
+        )
+        if not hasattr(module, name)
+    ]
+    if missing:
+        return f"no: this torch lacks {', '.join(missing)}"
+    return (
+        "graph saved-tensor hooks: yes; compressing strategies still run eagerly under "
+        "torch.compile (docs/compile.md)"
+    )
