@@ -6,11 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torchstash import windows
 from torchstash.windows import decode_positions, encode_positions, window_bits, window_starts
 
 POOLS = {2: F.max_pool2d, 3: F.max_pool3d}
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize(
     ("nd", "kernel", "stride", "padding", "dilation"),
     [
@@ -26,9 +28,15 @@ def test_positions_round_trip(
     stride: tuple[int, ...],
     padding: tuple[int, ...],
     dilation: tuple[int, ...],
+    index_dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Exact both ways, in int32 arithmetic (planes under 2**31 elements) and in int64 (the
+    larger ones), and the caller's indices left as they were."""
+    monkeypatch.setattr(windows, "_index_dtype", lambda in_sizes: index_dtype)
     x = torch.randn(2, 3, *([19] * nd))
     _, indices = POOLS[nd](x, kernel, stride, padding, dilation, return_indices=True)
+    before = indices.clone()
     starts = window_starts(indices.shape[-nd:], stride, padding, x.device)
     code = encode_positions(indices, x.shape[-nd:], starts, kernel, dilation)
     window = 1
@@ -37,6 +45,7 @@ def test_positions_round_trip(
     assert int(code.max()) < window
     assert code.dtype == (torch.uint8 if window <= 256 else torch.int16)
     assert torch.equal(decode_positions(code, x.shape[-nd:], starts, kernel, dilation), indices)
+    assert torch.equal(indices, before)
 
 
 def test_an_index_outside_its_window_does_not_come_back() -> None:
