@@ -196,17 +196,16 @@ class Engine(Scoping, Recomputation):
             move = self._move(kind, t, rec, entry.site, row, entry.reason)
             if kind != DERIVE:
                 rec.nodes[len(rec.moves)] = t.grad_fn
-            if kind != KEEP:
-                recall = getattr(entry.compressor, "recall", None)
-                if recall is not None and kind == CODE:
-                    move.site = dataclasses.replace(entry.site, recalled=recall(t, site))
+            if kind != KEEP:  # the entry does not hold the tensor: its storage may go
+                rec.firsts.code(len(rec.moves), t)
                 move.compressor, move.variant = entry.compressor, variant
                 move.node, move.strides = type(t.grad_fn), t.stride()
                 move.derive = derive
-            if kind != KEEP:  # the entry does not hold the tensor: its storage may go
-                rec.firsts.code(len(rec.moves), t)
             if isinstance(value, Packed):
                 move.code_bytes = value.nbytes()
+                recall = getattr(entry.compressor, "recall", None)
+                if recall is not None:
+                    move.site = dataclasses.replace(entry.site, recalled=recall(t, site))
             move.raw = row.raw_bytes - before[0]
             move.stored = row.stored_bytes - before[1]
             move.held = row.held_bytes - before[2]
