@@ -1,6 +1,6 @@
 """The engine's replay (:mod:`torchstash.engine.replay`) on the models users bring: after its
 recording steps a replayed training step is the full path's, bit for bit (gradients) and byte
-for byte (every row of the tally), under the strategies that replay there, on Hugging Face,
+for byte (every row of the tally), under every strategy, on Hugging Face,
 timm and torchvision models built from configs (nothing downloaded). The batch changes every
 step (dropout draws included), as in training."""
 
@@ -14,19 +14,6 @@ from torchstash.bench.ecosystem import MODELS, Unavailable, fresh, gradients, lo
 
 STRATEGIES = ("none", "memsave", "quant.int8", "quant.int2", "quant.auto", "quant.fp8")
 STEPS = 5
-#: where the quantization codes replay (checked); elsewhere attention's codes (which operand
-#: of which matmul, a fused attention's recomputed output) mostly read the op call, and those
-#: forwards record every step
-CODES_REPLAY = frozenset(
-    {
-        "hf-gpt2",
-        "timm-convnext_atto",
-        "timm-efficientnet_b0",
-        "timm-resnet10t",
-        "torchvision-mobilenet_v3_small",
-        "torchvision-resnet18",
-    }
-)
 
 
 def rows(tally: ts.Tally) -> dict[str, tuple[object, ...]]:
@@ -64,8 +51,9 @@ def test_a_replayed_step_is_the_full_paths(name: str, strategy: str) -> None:
             for k in want:
                 assert torch.equal(have[k], want[k]), (step, k)
             assert have_rows == want_rows, step
-        if strategy in ("none", "memsave") or name in CODES_REPLAY:
-            assert handles[1].engine.replayer.replayed > 0
+        # every model replays: attention's codes, which read the op call, in their
+        # modules' calls (regions) and the rest without the op tracker
+        assert handles[1].engine.replayer.replayed > 0
     finally:
         for h in handles:
             h.remove()

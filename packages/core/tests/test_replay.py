@@ -263,8 +263,9 @@ class SelfAttention(nn.Module):
 
 
 def test_a_code_that_reads_the_op_call_records_every_step(tracked: Tracked) -> None:
-    """Attention's codes read the call (which operand of which matmul): a forward holding one
-    is not replayed (codes that read nothing of the call do: the quant plug-in's tests)."""
+    """Attention's codes read the call (which operand of which matmul): their module call is
+    left to the full path (a region, :mod:`torchstash.engine.regions`); written in the
+    model's own forward, that call is the whole forward, which is then not replayed."""
     pytest.importorskip("torchstash_quant")
     _, model = pair(SelfAttention)
     x = torch.randn(4, 64, 16)

@@ -85,9 +85,12 @@ def as_the_full_path(
     x: torch.Tensor,
     tracked: Tracked,
     steps: int,
+    regions: bool = False,
 ) -> None:
-    """Each step: ``ours`` (replaying after two recordings, without the op tracker) has the
-    gradients and tally rows of ``full`` (the full path every step), bit for bit."""
+    """Each step: ``ours`` (replaying after two recordings, without the op tracker but in
+    its ``regions``) has the gradients and tally rows of ``full`` (the full path every step),
+    bit for bit."""
+    first = 0
     for step in range(steps):
         a.tally.reset()
         b.tally.reset()
@@ -96,23 +99,30 @@ def as_the_full_path(
         for g, w in zip(grads_of(ours), want, strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
         assert tally_rows(b.tally) == tally_rows(a.tally)
-        assert (calls == 0) == (step >= 2), (step, calls)
+        first = first or calls
+        if regions:
+            assert calls > 0 and (calls < first) == (step >= 2), (step, calls)
+        else:
+            assert (calls == 0) == (step >= 2), (step, calls)
 
 
 def grads_of(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters() if p.grad is not None]
 
 
-def test_a_derivative_code_records_every_step(tracked: Tracked) -> None:
-    """A GELU's derivative code reads the call's ``approximate``: a forward holding one keeps
-    recording (attention's codes too: the core's suite)."""
-    torch.manual_seed(0)
-    model = _gelu_mlp()
-    x = torch.randn(8, 16)
-    with ts.apply(model, "quant.int2", deriv_bits=4, act_bits=None) as handle:
-        counts = [tracked.during(lambda: grads(model, x)) for _ in range(4)]
-        assert all(c > 0 for c in counts)
-        assert handle.engine.replayer.trace is None
+def test_a_derivative_code_is_a_region_and_the_rest_replays(tracked: Tracked) -> None:
+    """A GELU's derivative code reads the call's ``approximate``: the GELU's call runs down
+    the full path on every step (a region), the rest of the forward replays, and each step
+    has the full path's gradients and tally (attention's codes: the core's suite)."""
+    full, ours, a, b = twins("quant.int2", _gelu_mlp, deriv_bits=4, act_bits=None)
+    try:
+        as_the_full_path(full, ours, a, b, torch.randn(8, 16), tracked, steps=5, regions=True)
+        trace = b.engine.replayer.trace
+        assert trace is not None
+        assert [type(r.owner()) for r in trace.regions.values()] == [nn.GELU]
+    finally:
+        a.remove()
+        b.remove()
 
 
 def _gelu_mlp() -> nn.Module:

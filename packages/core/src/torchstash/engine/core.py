@@ -28,6 +28,7 @@ from .entries import RELEASED, Entry, Recomputed, Saved, dedupe_key, variant_of
 from .messages import CONSTANT_REASON, FUSED_EXACT_REASON, FUSED_OUTPUT_REASON, KEEP_TYPE
 from .params import is_parameter
 from .recompute import Recomputation, Sources
+from .regions import decided
 from .replay import (
     CODE,
     DERIVE,
@@ -42,6 +43,7 @@ from .replay import (
 )
 from .scope import Scoping, ThreadState
 from .tally import Row, Tally
+from .totals import add, diff, snapshot
 
 Resolver = Callable[[Site, frozenset[str]], "Compressor | None"]
 
@@ -71,10 +73,10 @@ class Engine(Scoping, Recomputation):
         self.in_scope = in_scope
         self.min_bytes = min_bytes
         self.dedupe = dedupe
-        self.tally = Tally()
+        self._tally = Tally()
         #: the decisions of a recorded forward, replayed on the next ones (:mod:`.replay`)
         if replayer is None:
-            replayer = Replayer(self.tally, self._state, self._replay_code)
+            replayer = Replayer(self._tally, self._state, self._replay_code)
         self.replayer = replayer
         self._skip_ptrs = skip_ptrs
         self._skip: set[int] = set()
@@ -93,11 +95,22 @@ class Engine(Scoping, Recomputation):
             if self.in_scope is not None and not self.in_scope():
                 return Saved(Entry(t.detach(), None, _OUTSIDE, t._version, None))
             saved = self.replayer.pack(t, tls)
+            if type(saved) is Move:
+                return self._decide_again(t, tls, saved)
             if saved is not None:
+                assert isinstance(saved, Saved)
+                if tls.region is not None:
+                    self._op_position(tls)  # the region's later sites count this op call
                 return saved
             self._missed(tls)
         if tls.missed:
             return self._keep_missed(t)
+        return self._decide(t, tls)
+
+    def _decide(self, t: torch.Tensor, tls: ThreadState) -> Saved:
+        """The full path: what ``t`` gets, decided from its site and the op's call (noted as a
+        move when recording)."""
+        tls.shared = False
         rec = tls.recorder
         if rec is not None and not rec.replayable:
             rec = None
@@ -119,6 +132,7 @@ class Engine(Scoping, Recomputation):
                     and not isinstance(t, torch.nn.Parameter)
                     and move.base not in self._skip
                 )
+                move.decided = decided(state, False)
                 rec.note(move, state)
             return Saved(state)
         site = self._site(t)
@@ -127,9 +141,10 @@ class Engine(Scoping, Recomputation):
         row.ops[site.op or "?"] += 1
         nbytes = raw_nbytes(t)
         compressor, reason = self._choose(t, site, nbytes)
-        if rec is not None and compressor is not None and not replays_at(compressor, t, site):
-            rec.refuse()  # a code that reads the op's arguments: recorded on every forward
-            rec = None
+        # a code that reads the op's arguments: its module call is left to the full path
+        needs_call = (
+            rec is not None and compressor is not None and not replays_at(compressor, t, site)
+        )
         variant = variant_of(compressor, t, site)
         key = None
         if self.dedupe and t.numel() > 0:
@@ -140,7 +155,9 @@ class Engine(Scoping, Recomputation):
             # code (a ReLU's sign mask) must not stand in for the tensor another op saved.
             # A tensor another op already holds as is is shared as is: a compressed copy
             # beside it would only add memory (a ReLU's output that a conv also saves).
+            turned = False
             if hit is not None and hit.source() is not None and compressor is None:
+                turned = hit.compressor is not None
                 if rec is not None:
                     self._note_as_is(rec, hit, t)
                 else:
@@ -154,6 +171,7 @@ class Engine(Scoping, Recomputation):
                 )
             ):
                 row.shared += 1
+                tls.shared = True
                 if hit.graph is not self._tls.graph:
                     hit.graph = None  # two passes hold it: a failed backward must not drop it
                 self._note_derive_save(t, hit, compressor, site)
@@ -161,7 +179,7 @@ class Engine(Scoping, Recomputation):
                 hit.pending += 1
                 reshape = None if shape == tuple(hit.value.shape) else shape
                 if rec is not None:
-                    self._note_shared(rec, t, site, row, hit, reshape)
+                    self._note_shared(rec, t, site, row, hit, reshape, needs_call, turned)
                 return Saved(hit, reshape)
         entry = None
         if key is not None and compressor is not None and self._recipes:
@@ -185,10 +203,17 @@ class Engine(Scoping, Recomputation):
         if rec is not None:
             value = entry.value
             derive = None
+            deps: tuple[int, ...] = ()
             if isinstance(value, Recomputed):
                 derive = rederive.record(value, t, rec, lambda a: is_state(a, self._state))
-                if derive is None:
-                    rec.refuse()  # its recipe reads what a replay cannot check
+                deps = tuple(rec.position(e) for e, _ in value.sources)
+                if derive is None:  # its recipe reads what a replay cannot check
+                    needs_call = True
+                    deps += tuple(rec.position_of_value(s) for s in value.recipe.stats)
+                else:
+                    deps = (derive.source, *derive.stats)
+                if min(deps, default=0) < 0:
+                    rec.refuse()  # recomputed from a save of an earlier forward
                     return Saved(entry)
                 kind = DERIVE
             else:
@@ -196,8 +221,10 @@ class Engine(Scoping, Recomputation):
             move = self._move(kind, t, rec, entry.site, row, entry.reason)
             if kind != DERIVE:
                 rec.nodes[len(rec.moves)] = t.grad_fn
-            if kind != KEEP:  # the entry does not hold the tensor: its storage may go
-                rec.firsts.code(len(rec.moves), t)
+            # a code holds no tensor, and a tensor kept now may become a recipe when its op
+            # returns (a fused attention's output): its storage may go
+            rec.firsts.code(len(rec.moves), t)
+            if kind != KEEP:
                 move.compressor, move.variant = entry.compressor, variant
                 move.node, move.strides = type(t.grad_fn), t.stride()
                 move.derive = derive
@@ -209,8 +236,33 @@ class Engine(Scoping, Recomputation):
             move.raw = row.raw_bytes - before[0]
             move.stored = row.stored_bytes - before[1]
             move.held = row.held_bytes - before[2]
+            move.deps, move.needs_call = deps, needs_call
+            move.decided = decided(entry, False)
             rec.note(move, entry)
         return Saved(entry)
+
+    def _decide_again(self, t: torch.Tensor, tls: ThreadState, move: Move) -> Saved:
+        """A save in a replayed region (:mod:`.regions`): the full path decides it, and must
+        decide what the recording did; else a guard miss (this save counted as it went)."""
+        i = tls.position - 1
+        scratch = self.tally
+        before = snapshot(scratch)
+        saved = self._decide(t, tls)
+        entry = saved.entry
+        if decided(entry, tls.shared) != move.decided:
+            counted = diff(before, scratch)
+            self._missed(tls)
+            add(self.tally, counted)
+            return saved
+        if move.keyed:
+            tls.entries[i] = entry
+            tls.keys[i] = dedupe_key(t)
+        if move.feeds:
+            tls.entries[i] = entry
+            tls.nodes[i] = t.grad_fn
+        if not tls.shared:
+            tls.bases.code(i, t)
+        return saved
 
     def _move(
         self,
@@ -237,6 +289,7 @@ class Engine(Scoping, Recomputation):
             row,
             site.op if site is not None else "",
             reason,
+            stack=tuple(self._tls.frames),
         )
 
     def _note_shared(
@@ -247,6 +300,8 @@ class Engine(Scoping, Recomputation):
         row: Row,
         hit: Entry,
         reshape: tuple[int, ...] | None,
+        needs_call: bool,
+        turned: bool,
     ) -> None:
         """Record a second save of an entry this forward stored (as is, or coded by the same
         compressor in the same variant); one stored before this forward: refused."""
@@ -256,6 +311,8 @@ class Engine(Scoping, Recomputation):
             return
         move = self._move(SHARED, t, rec, None, row)  # the site holds the call's arguments
         move.op, move.shares, move.reshape = site.op, position, reshape
+        move.deps, move.needs_call, move.turned = (position,), needs_call, turned
+        move.decided = decided(hit, True)
         rec.note(move, None)
 
     def _note_as_is(self, rec: Recorder, hit: Entry, t: torch.Tensor) -> None:
@@ -297,6 +354,7 @@ class Engine(Scoping, Recomputation):
         records again."""
         trace = tls.replaying
         assert trace is not None
+        tls.scratch = None  # in a region: the rest counts in the engine's tally
         self.replayer.count_prefix(trace, tls.position - 1)
         self.replayer.miss()
         tls.replaying = None

@@ -71,13 +71,14 @@ class Recomputation:
     _tls: ThreadState
     _skip: set[int]
     dedupe: bool
-    tally: Tally
     #: outputs a later save may recompute: key -> (the output, its recipe, the operands'
     #: entries with their saved shapes)
     _recipes: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], Recipe, Sources]]
 
     if TYPE_CHECKING:
 
+        @property
+        def tally(self) -> Tally: ...
         def _store_as_is(self, entry: Entry, t: torch.Tensor) -> None: ...
 
     def _note_derive_save(

@@ -35,7 +35,9 @@ from ..site import Site
 from .entries import Entry, Recomputed, Saved, dedupe_key
 from .params import parameter_copy
 from .rederive import Rederive, rebuild
+from .regions import Key, Region, place
 from .tally import Row
+from .totals import Totals, add, diff, snapshot
 
 if TYPE_CHECKING:
     from .scope import ThreadState
@@ -103,6 +105,18 @@ class Move:
     derive: Rederive | None = None
     #: a later DERIVE move reads this one's entry (its operand or a statistic)
     feeds: bool = False
+    #: while recording: the module calls running (outermost first), the positions of the
+    #: saves this one shares or is recomputed from, whether its decision read the op call
+    #: (it needs a region: :mod:`.regions`) and whether it turned a code back into its
+    #: tensor
+    stack: tuple[Any, ...] = ()
+    deps: tuple[int, ...] = ()
+    needs_call: bool = False
+    turned: bool = False
+    #: in a region: the full path decides it again, and must decide what it decided
+    #: (:func:`.regions.decided`)
+    full: bool = False
+    decided: tuple[Any, ...] = ()
 
     def signature(self) -> tuple[Any, ...]:
         owner = self.owner() if self.owner is not None else None
@@ -130,56 +144,10 @@ class Move:
             self.raw,
             self.stored,
             self.held,
+            self.deps,
+            self.full,
+            self.decided,
         )
-
-
-#: the counts of a row a forward adds to (``ops`` and ``declined`` apart)
-COUNTS = (
-    "saved",
-    "shared",
-    "raw_bytes",
-    "stored_bytes",
-    "held_bytes",
-    "host_bytes",
-    "compressed",
-    "derived",
-)
-
-
-def _snapshot(tally: Tally) -> dict[str, tuple[Any, ...]]:
-    return {
-        name: (*(getattr(row, c) for c in COUNTS), dict(row.ops), dict(row.declined))
-        for name, row in tally.rows.items()
-    }
-
-
-@dataclass(slots=True, eq=False)
-class Totals:
-    """What a whole forward adds to one row."""
-
-    module: str
-    module_type: str
-    counts: tuple[int, ...]  # in the order of :data:`COUNTS`
-    ops: dict[str, int]
-    declined: dict[str, int]
-
-    def signature(self) -> tuple[Any, ...]:
-        return (self.module, self.counts, sorted(self.ops.items()), sorted(self.declined.items()))
-
-
-def _diff(before: dict[str, tuple[Any, ...]], tally: Tally) -> list[Totals]:
-    out = []
-    empty = (*(0 for _ in COUNTS), {}, {})
-    for name, row in tally.rows.items():
-        old = before.get(name, empty)
-        counts = tuple(getattr(row, c) - o for c, o in zip(COUNTS, old, strict=False))
-        ops = {k: n - old[-2].get(k, 0) for k, n in row.ops.items() if n != old[-2].get(k, 0)}
-        declined = {
-            k: n - old[-1].get(k, 0) for k, n in row.declined.items() if n != old[-1].get(k, 0)
-        }
-        if any(counts) or ops or declined:
-            out.append(Totals(name, row.module_type, counts, ops, declined))
-    return out
 
 
 class FirstSaves:
@@ -233,7 +201,7 @@ class Recorder:
 
     @classmethod
     def start(cls, tally: Tally) -> Recorder:
-        return cls(_snapshot(tally), tally.generation, tally.param_refs)
+        return cls(snapshot(tally), tally.generation, tally.param_refs)
 
     def alias(self, t: torch.Tensor) -> int:
         """The position of the first save of this forward over ``t``'s storage, or -1."""
@@ -265,12 +233,26 @@ class Recorder:
     def refuse(self) -> None:
         self.replayable = False
 
+    def mark_late(self) -> None:
+        """A save its op kept as is and then, once the op returned, made a recipe (a fused
+        attention's output, over the ``q``, ``k``, ``v`` it stored): only the full path makes
+        it again, in the region of what it is recomputed from."""
+        for move, entry in zip(self.moves, self.entries, strict=True):
+            if entry is not None and move.kind == KEEP and isinstance(entry.value, Recomputed):
+                value = entry.value
+                deps = tuple(self.position(e) for e, _ in value.sources)
+                deps += tuple(self.position_of_value(s) for s in value.recipe.stats)
+                if min(deps, default=0) < 0:
+                    self.refuse()
+                    return
+                move.needs_call, move.deps = True, deps
+
     def settle(self) -> bool:
         """Bring each move up to what became of its entry later in the forward (a code a
         later save of the same tensor turned back into the tensor is a KEEP); False when an
         entry became something a replay cannot make."""
         for move, entry in zip(self.moves, self.entries, strict=True):
-            if entry is None or move.kind in (PARAM, SHARED):
+            if entry is None or move.kind in (PARAM, SHARED) or move.full:
                 continue
             value = entry.value
             if entry.compressor is None and isinstance(value, torch.Tensor):
@@ -300,6 +282,8 @@ class Trace:
     #: the compressors of its codes that may send a forward down the full path
     #: (``replays_next``: an allocation coming)
     askers: tuple[Compressor, ...] = ()
+    #: the module calls it leaves to the full path (:mod:`.regions`)
+    regions: dict[Key, Region] = field(default_factory=dict)
 
     def may_replay(self) -> bool:
         """Whether the next forward may follow it (each asker agrees)."""
@@ -353,8 +337,12 @@ class Replayer:
         trace the next forwards follow."""
         self.recorded += 1
         tally = self.tally
+        rec.mark_late()
+        regions = place(rec.moves) if rec.replayable else None
+        for move in rec.moves:
+            move.stack = ()  # the frames hold the modules
         if (
-            not rec.replayable
+            regions is None
             or not rec.moves
             or not self.enabled
             or tally.generation != rec.generation  # reset mid-forward: no totals to take
@@ -365,17 +353,20 @@ class Replayer:
             return
         self.refused_in_a_row = 0
         for move in rec.moves:
+            if move.full:
+                continue  # the full path shares and rebuilds: nothing handed over
             if move.kind == SHARED:
                 rec.moves[move.shares].keyed = True
             elif move.derive is not None:
                 for p in (move.derive.source, *move.derive.stats):
                     rec.moves[p].feeds = True
-        totals = _diff(rec.before, tally)
+        totals = diff(rec.before, tally)
         param_refs = tally.param_refs - rec.param_refs
         signature = (
             tuple(m.signature() for m in rec.moves),
             tuple(t.signature() for t in totals),
             param_refs,
+            tuple(sorted(regions)),
         )
         if signature != self._last:
             self._last = signature
@@ -385,7 +376,7 @@ class Replayer:
             for m in rec.moves
             if m.compressor is not None and hasattr(m.compressor, "replays_next")
         }
-        self.trace = Trace(tuple(rec.moves), totals, param_refs, tuple(askers.values()))
+        self.trace = Trace(tuple(rec.moves), totals, param_refs, tuple(askers.values()), regions)
 
     def forget(self) -> None:
         """Record again from the next forward (a guard missed, or the engine was told to)."""
@@ -403,8 +394,9 @@ class Replayer:
 
     # -- replaying ---------------------------------------------------------------------------
 
-    def pack(self, t: torch.Tensor, tls: ThreadState) -> Saved | None:
-        """The replayed save at the forward's next position, or None on a guard miss."""
+    def pack(self, t: torch.Tensor, tls: ThreadState) -> Saved | Move | None:
+        """The replayed save at the forward's next position, or None on a guard miss, or its
+        move when the full path decides it (in a region: :mod:`.regions`)."""
         trace = tls.replaying
         assert trace is not None
         i = tls.position
@@ -436,6 +428,8 @@ class Replayer:
                 alias = -1
         if alias != m.alias:
             return None
+        if m.full:
+            return m if tls.region is not None else None
         kind = m.kind
         if kind == SHARED:
             hit = tls.entries.get(m.shares)
@@ -510,36 +504,7 @@ class Replayer:
         done = tls.position
         tally = self.tally
         if done == len(trace.moves):
-            rows = tally.rows
-            for totals in trace.totals:
-                row = rows.get(totals.module)
-                if row is None:
-                    row = rows[totals.module] = Row(totals.module, totals.module_type)
-                (
-                    saved,
-                    shared,
-                    raw,
-                    stored,
-                    held,
-                    host,
-                    compressed,
-                    derived,
-                ) = totals.counts
-                row.saved += saved
-                row.shared += shared
-                row.raw_bytes += raw
-                row.stored_bytes += stored
-                row.held_bytes += held
-                row.host_bytes += host
-                row.compressed += compressed
-                row.derived += derived
-                counts = row.ops
-                for op, n in totals.ops.items():
-                    counts[op] += n
-                if totals.declined:
-                    counts = row.declined
-                    for reason, n in totals.declined.items():
-                        counts[reason] += n
+            add(tally, trace.totals)
             tally.param_refs += trace.param_refs
             self.replayed += 1
             self.misses_in_a_row = 0

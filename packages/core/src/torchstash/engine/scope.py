@@ -23,12 +23,13 @@ from ..optrack import OpTracker, role_of, wait_for, watching
 from ..packed import storage_base
 from ..site import NO_CALL, OpCall, Site
 from .entries import Entry, Graph
+from .regions import Region
 from .replay import FirstSaves, Recorder, Replayer, Trace
+from .tally import Tally
 
 if TYPE_CHECKING:
     from .entries import Saved
     from .recompute import Derivation
-    from .tally import Tally
 
 
 @dataclass(frozen=True)
@@ -53,12 +54,14 @@ def recomputing() -> bool:
     return task is not None and task() != -1
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Frame:
     info: ModuleInfo
     call: int
     owner: object
     exit: contextlib.ExitStack | None = None
+    #: while recording: the forward's op counts when the call began (a region's, replayed)
+    counts: dict[str, int] | None = None
 
 
 class ThreadState(threading.local):
@@ -88,6 +91,12 @@ class ThreadState(threading.local):
         self.missed = False
         #: parameters' and buffers' addresses (None: not read yet this forward)
         self.skip: set[int] | None = None
+        #: the region being replayed down the full path (:mod:`.regions`), and the tally
+        #: its saves count in meanwhile (the trace's totals count them)
+        self.region: Frame | None = None
+        self.scratch: Tally | None = None
+        #: the full path's last save shared an earlier entry
+        self.shared = False
 
 
 class Scoping:
@@ -96,9 +105,16 @@ class Scoping:
     _tls: ThreadState
     _skip: set[int]
     _skip_ptrs: Callable[[], set[int]] | None
+    _tally: Tally
     dedupe: bool
     replayer: Replayer
-    tally: Tally
+
+    @property
+    def tally(self) -> Tally:
+        """The engine's accounting (inside a replayed region, a scratch one: the trace's
+        totals count the region's saves)."""
+        scratch = self._tls.scratch
+        return self._tally if scratch is None else scratch
 
     if TYPE_CHECKING:
 
@@ -204,7 +220,38 @@ class Scoping:
         calls, key = tls.calls, id(owner)
         call = calls.get(key, 0)
         calls[key] = call + 1
-        tls.frames.append(Frame(info, call, owner, exit_stack))
+        frame = Frame(info, call, owner, exit_stack)
+        if exit_stack is None:
+            if tls.recorder is not None:
+                frame.counts = dict(tls.op_counts)
+            elif tls.replaying is not None and tls.region is None and tls.replaying.regions:
+                region = tls.replaying.regions.get((key, call))
+                if region is not None and region.owner() is owner and not tls.missed:
+                    frame.exit = self._enter_region(frame, region)
+        tls.frames.append(frame)
+
+    def _enter_region(self, frame: Frame, region: Region) -> contextlib.ExitStack:
+        """Run a replayed forward's region down the full path: the op tracker on for this
+        module call, its op counts as recorded, its counts in a scratch tally."""
+        tls = self._tls
+        stack = contextlib.ExitStack()
+        tls.region = frame
+        tls.op_counts = Counter(region.counts)
+        tls.scratch = Tally()
+        self._state()  # the parameters, for the full path
+        stack.callback(self._leave_region)
+        if self.dedupe:
+            stack.enter_context(watching(CARRY_OPS, self._carry_recipe))
+        if OP_STATE.depth == 0:
+            stack.enter_context(OpTracker())
+            OP_STATE.depth += 1
+            stack.callback(leave_tracker)
+        return stack
+
+    def _leave_region(self) -> None:
+        tls = self._tls
+        tls.region = None
+        tls.scratch = None
 
     def exit_module(self, owner: object) -> None:
         """Called after a module's forward (also when it raised): pops its frame and above."""
@@ -226,17 +273,7 @@ class Scoping:
         frame = tls.frames[-1] if tls.frames else None
         info = frame.info if frame else NO_MODULE
         op, func = OP_STATE.op, OP_STATE.raw
-        op_index = -1
-        if tls.last_call != OP_STATE.call_id:  # the first tensor this op call saves
-            tls.last_call = OP_STATE.call_id
-            tls.ordinal = 0
-            if op:
-                tls.op_counts[op] += 1
-        else:
-            tls.ordinal += 1
-        ordinal = tls.ordinal
-        if op:
-            op_index = tls.op_counts[op] - 1
+        op_index, ordinal = self._op_position(tls)
         return Site(
             module=info.qualname,
             tag=info.tag,
@@ -251,6 +288,20 @@ class Scoping:
             training=bool(getattr(frame.owner, "training", True)) if frame else True,
             opcall=op_call() if op else NO_CALL,
         )
+
+    @staticmethod
+    def _op_position(tls: ThreadState) -> tuple[int, int]:
+        """The running op call's index among the forward's calls of its op, and this save's
+        ordinal among the call's saves (-1 and the ordinal outside a tracked call)."""
+        op = OP_STATE.op
+        if tls.last_call != OP_STATE.call_id:  # the first tensor this op call saves
+            tls.last_call = OP_STATE.call_id
+            tls.ordinal = 0
+            if op:
+                tls.op_counts[op] += 1
+        else:
+            tls.ordinal += 1
+        return (tls.op_counts[op] - 1 if op else -1), tls.ordinal
 
     def skip_module_state(self, module: torch.nn.Module) -> None:
         """Never compress ``module``'s own parameters and buffers (or views of them)."""
