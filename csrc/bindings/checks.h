@@ -345,6 +345,22 @@ inline groupquant::FloatKind check_fp8_dequantize(const at::Tensor& codes, const
   return float_kind(op, "dtype", dtype);
 }
 
+// ---------------------------------------------------------------- codes of a table of levels
+
+inline groupquant::FloatKind check_level_quantize(const at::Tensor& x, const at::Tensor& levels, std::int64_t bits) {
+  constexpr const char* op = "level_quantize";
+  check_bits(op, bits);
+  TORCH_CHECK_VALUE(bits >= 2, "torchstash::", op, ": bits must be 2, 4 or 8 (one code is NaN's), got ", bits);
+  TORCH_CHECK_TYPE(levels.scalar_type() == at::kFloat && levels.dim() == 1, "torchstash::", op,
+                   ": levels must be 1-D float32, got ", levels.scalar_type(), " of shape ", levels.sizes());
+  const std::int64_t count = levels.numel();
+  TORCH_CHECK_VALUE(count >= 2 && count < (std::int64_t{1} << bits), "torchstash::", op, ": levels must hold 2 to ",
+                    (std::int64_t{1} << bits) - 1, " values at ", bits, " bits (one code is NaN's), got ", count);
+  TORCH_CHECK_VALUE(levels.device() == x.device(), "torchstash::", op, ": levels are on ", levels.device(),
+                    " but x is on ", x.device(), "; keep them on one device");
+  return float_kind(op, "x", x.scalar_type());
+}
+
 // ---------------------------------------------------------------- sign bits
 
 inline SignKind sign_kind(const char* op, const char* what, at::ScalarType dtype) {

@@ -276,6 +276,21 @@ at::Tensor fp8_dequantize_cpu(const at::Tensor& codes, const at::Tensor& scale, 
   return out;
 }
 
+at::Tensor level_quantize_cpu(const at::Tensor& x, const at::Tensor& levels, std::int64_t bits, std::int64_t seed) {
+  const groupquant::FloatKind kind = bindings::check_level_quantize(x, levels, bits);
+  const at::Tensor c = x.contiguous();
+  const at::Tensor l = levels.contiguous();
+  const std::int64_t n = c.numel();
+  at::Tensor out = c.new_empty({bitpack::packed_size(n, static_cast<int>(bits))}, c.options().dtype(at::kByte));
+  if (n > 0) {
+    // seed is a 64-bit pattern: a Python value in [2^63, 2^64) arrives negative.
+    cpu::level_quantize(c.const_data_ptr(), kind, n, l.const_data_ptr<float>(), static_cast<int>(l.numel()),
+                        static_cast<int>(bits), static_cast<std::uint64_t>(seed), out.mutable_data_ptr<std::uint8_t>(),
+                        threads_for(n * 16));
+  }
+  return out;
+}
+
 at::Tensor sign_pack_cpu(const at::Tensor& x) {
   const SignKind kind = bindings::sign_kind("sign_pack", "x", x.scalar_type());
   const at::Tensor c = x.contiguous();
@@ -393,6 +408,7 @@ TORCH_LIBRARY(torchstash, m) {
       "int group_size, int run, int numel, ScalarType dtype) -> Tensor");
   m.def("fp8_quantize(Tensor x, int group_size) -> (Tensor, Tensor)");
   m.def("fp8_dequantize(Tensor codes, Tensor scale, int group_size, int numel, ScalarType dtype) -> Tensor");
+  m.def("level_quantize(Tensor x, Tensor levels, int bits, int seed) -> Tensor");
   m.def("sign_pack(Tensor x) -> Tensor");
   m.def("sign_unpack(Tensor packed, int numel, ScalarType dtype) -> Tensor");
   m.def("topk_mask(Tensor x, int segments, int k, bool exact) -> Tensor");
@@ -417,6 +433,7 @@ TORCH_LIBRARY_IMPL(torchstash, CPU, m) {
   m.impl("row_group_dequantize", &torchstash::row_group_dequantize_cpu);
   m.impl("fp8_quantize", &torchstash::fp8_quantize_cpu);
   m.impl("fp8_dequantize", &torchstash::fp8_dequantize_cpu);
+  m.impl("level_quantize", &torchstash::level_quantize_cpu);
   m.impl("sign_pack", &torchstash::sign_pack_cpu);
   m.impl("sign_unpack", &torchstash::sign_unpack_cpu);
   m.impl("topk_mask", &torchstash::topk_mask_cpu);

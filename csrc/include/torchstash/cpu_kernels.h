@@ -31,6 +31,12 @@ void group_quantize(const void* x, groupquant::FloatKind kind, index_t n, int bi
                     std::uint64_t seed, bool stochastic, std::uint8_t* packed, std::uint16_t* lo,
                     std::uint16_t* step, int num_threads);
 
+// out[0, ceil(n * bits / 8)) <- x[0, n) (float32, float16 or bfloat16 bits, per `kind`)
+// rounded stochastically to levels[0, nlevels) (float32, ascending, 2 <= nlevels < 2**bits) and
+// packed at `bits` bits, NaN as code 2**bits - 1; see levelquant_cpu.cpp.
+void level_quantize(const void* x, groupquant::FloatKind kind, index_t n, const float* levels, int nlevels, int bits,
+                    std::uint64_t seed, std::uint8_t* out, int num_threads);
+
 // out[0, n) (float32, float16 or bfloat16 per `kind`) <- the values group_quantize encoded.
 void group_dequantize(const std::uint8_t* packed, const std::uint16_t* lo, const std::uint16_t* step, int bits,
                       index_t group_size, index_t n, groupquant::FloatKind kind, void* out, int num_threads);

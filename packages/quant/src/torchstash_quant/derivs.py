@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchstash.kernels import pack_bits, philox_uniform, unpack_bits
+from torchstash.kernels import level_quantize, pack_bits, unpack_bits
 from torchstash.layout import memory_order, restore
 from torchstash.packed import Packed
 from torchstash.seeds import SeedStream
@@ -171,17 +171,13 @@ def pack_derivative(
     t = table(op, bits, x.dtype, x.device, approximate, stochastic)
     xm, order = memory_order(x.detach())  # coded in memory order: a permuted input (ConvNeXt's
     d = derivative(op, xm, approximate)  # channels-last GELU) needs no copy, keeps its strides
-    if seed is not None:
-        levels = t.device_levels  # kept on the device: no copy per tensor
-        df = d.float()
-        upper = torch.bucketize(df, levels, out_int32=True).clamp_(1, levels.numel() - 1)
-        low, high = levels[upper - 1], levels[upper]
-        u = philox_uniform(x.numel(), seed, 0, device=x.device).view(xm.shape)
-        codes = upper - (u * (high - low) >= df - low).to(torch.int32)
+    if seed is not None:  # one kernel pass (levels kept on the device: no copy per tensor)
+        packed = level_quantize(d, t.device_levels, bits, seed=seed)
     else:
         codes = torch.bucketize(d, t.cuts, out_int32=True)
-    codes = codes.masked_fill_(d.isnan(), 2**bits - 1).to(torch.uint8)
-    p = Packed.like(x, CODEC, codes=pack_bits(codes, bits))
+        codes = codes.masked_fill_(d.isnan(), 2**bits - 1).to(torch.uint8)
+        packed = pack_bits(codes, bits)
+    p = Packed.like(x, CODEC, codes=packed)
     p.meta.update(op=op, bits=bits, approximate=approximate, stochastic=stochastic, order=order)
     return p
 

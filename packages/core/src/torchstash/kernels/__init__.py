@@ -4,7 +4,8 @@
 draws reproducible random numbers, ``group_quantize``/``group_dequantize`` store floats
 at 1-8 bits with per-group stochastic rounding, ``channel_minmax``/``channel_quantize``/
 ``channel_dequantize`` store them at 8 bits with a scale per channel (Mesa's layout),
-``fp8_quantize``/``fp8_dequantize`` as e4m3 codes with a scale per group,
+``fp8_quantize``/``fp8_dequantize`` as e4m3 codes with a scale per group, ``level_quantize``
+rounds values stochastically to a table of a few levels (derivative codes; CPU kernel),
 ``row_center``/``row_uncenter`` take each row's offset off a normalization's input and put it
 back (``row_group_quantize``/``row_group_dequantize``: fused with the group codes), ``sign_pack``/``sign_unpack`` keep where a tensor is above zero as one bit per element,
 ``topk_mask``/``mask_compact``/``mask_scatter``/``mask_offsets``/``offsets_scatter`` keep the
@@ -20,6 +21,7 @@ from .bitpack import pack_bits, pack_mask, sign_pack, sign_unpack, unpack_bits, 
 from .channelquant import channel_dequantize, channel_minmax, channel_quantize
 from .fp8 import fp8_dequantize, fp8_quantize
 from .groupquant import group_dequantize, group_quantize, group_steps
+from .levelquant import level_quantize
 from .loader import available, load, status
 from .philox import philox_uniform
 from .rowcenter import row_center, row_group_dequantize, row_group_quantize, row_uncenter
@@ -44,6 +46,7 @@ __all__ = [
     "group_dequantize",
     "group_quantize",
     "group_steps",
+    "level_quantize",
     "load",
     "mask_compact",
     "mask_offsets",

@@ -197,6 +197,19 @@ def _fp8_dequantize_fake(
     return codes.new_empty((numel,), dtype=dtype)
 
 
+def _level_quantize_fake(
+    x: torch.Tensor, levels: torch.Tensor, bits: int, seed: int
+) -> torch.Tensor:
+    torch._check(
+        x.dtype in _FLOATS, lambda: f"x must be float32, float16 or bfloat16, got {x.dtype}"
+    )
+    torch._check(bits in (2, 4, 8), lambda: f"bits must be 2, 4 or 8, got {bits}")
+    torch._check(
+        levels.dtype == torch.float32, lambda: f"levels must be float32, got {levels.dtype}"
+    )
+    return x.new_empty(((x.numel() * bits + 7) // 8,), dtype=torch.uint8)
+
+
 _SIGN_FLOATS = (*_FLOATS, torch.float64)
 
 
@@ -318,6 +331,8 @@ def register() -> None:
         torch.library.register_fake("torchstash::fp8_dequantize", _fp8_dequantize_fake)
         torch.library.register_fake("torchstash::sign_pack", _sign_pack_fake)
         torch.library.register_fake("torchstash::sign_unpack", _sign_unpack_fake)
+    if _op_defined("level_quantize"):
+        torch.library.register_fake("torchstash::level_quantize", _level_quantize_fake)
     if _op_defined("topk_mask"):
         torch.library.register_fake("torchstash::topk_mask", _topk_mask_fake)
         torch.library.register_fake("torchstash::mask_compact", _mask_compact_fake)
