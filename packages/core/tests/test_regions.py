@@ -85,10 +85,12 @@ def grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-def twins(strategy: str) -> tuple[nn.Module, nn.Module, torchstash.Handle, torchstash.Handle]:
+def twins(
+    strategy: str, build: type[nn.Module] = Net
+) -> tuple[nn.Module, nn.Module, torchstash.Handle, torchstash.Handle]:
     """The full path on every step (``full``) and a model that replays (``ours``)."""
     torch.manual_seed(0)
-    full = Net()
+    full = build()
     ours = copy.deepcopy(full)
     a = torchstash.apply(full, strategy, min_bytes=0)
     b = torchstash.apply(ours, strategy, min_bytes=0)
@@ -189,3 +191,51 @@ def test_a_code_that_never_replays_is_not_left_to_regions(
         counts = [tracked.during(lambda: grads(model, torch.randn(4, 8, 16))) for _ in range(4)]
         assert all(c > 0 for c in counts)
         assert handle.engine.replayer.trace is None
+
+
+class Twice(nn.Module):
+    """One attention module called twice a step (shared weights): a region per call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.attn = Attention()
+        self.mid = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh())
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mid(torch.tanh(self.inp(x)))
+        h = h + self.attn(h)
+        return self.out(self.mid(h + self.attn(h)))
+
+
+def test_a_module_called_twice_is_a_region_per_call(reader: str, tracked: Tracked) -> None:
+    full, ours, a, b = twins(reader, Twice)
+    x = torch.randn(4, 8, 16)
+    for _ in range(5):
+        step_both(full, ours, a, b, x, tracked)
+        assert tally_rows(b.tally) == tally_rows(a.tally)
+    trace = b.engine.replayer.trace
+    assert trace is not None and b.engine.replayer.replayed == 3
+    assert sorted(r.call for r in trace.regions.values()) == [0, 1]
+
+
+def test_regions_under_autocast(reader: str, tracked: Tracked) -> None:
+    """bfloat16 autocast on the CPU: the region's ops run under the autocast state they were
+    recorded under, and a replayed step is the full path's."""
+    full, ours, a, b = twins(reader)
+    x = torch.randn(4, 8, 16)
+    for _ in range(5):
+        a.tally.reset()
+        b.tally.reset()
+        got = []
+        for model in (full, ours):
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().square().sum()
+            loss.backward()
+            got.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        for g, w in zip(got[1], got[0], strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        assert tally_rows(b.tally) == tally_rows(a.tally)
+    assert b.engine.replayer.replayed == 3 and b.engine.replayer.trace is not None

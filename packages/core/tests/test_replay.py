@@ -330,6 +330,28 @@ def test_stash_blocks_of_one_strategy_share_a_replayer() -> None:
     assert other.engine.replayer is not replayer
 
 
+@pytest.mark.parametrize("strategy", ["quant.int8", "quant.auto"])
+def test_stash_blocks_at_one_line_share_their_compressors(strategy: str) -> None:
+    """The blocks a loop opens at one line share their plan: the codes' state goes on from
+    step to step (``quant.auto`` measures, then allocates, as under ``apply``), and the codes
+    replay (each block's own compressors had new identities: none ever replayed)."""
+    pytest.importorskip("torchstash_quant")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.Tanh())
+    x = torch.randn(64, 32)
+    plans = []
+    for _ in range(24):
+        block = torchstash.stash(strategy)
+        with block:
+            loss = model(x).square().sum()
+        loss.backward()
+        plans.append(block.plan)
+    assert all(p is plans[0] for p in plans)
+    replayer = block.engine.replayer
+    assert replayer.replayed > 0 and replayer.missed == 0
+    assert torchstash.stash(strategy).plan is not plans[0]  # another line: its own
+
+
 def test_two_regions_of_code_alternating_each_replay() -> None:
     """A GAN's generator and discriminator steps, each in a block of the same strategy: the
     blocks of each line keep their own record, so both replay instead of missing in turn."""

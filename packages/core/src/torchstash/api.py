@@ -314,36 +314,55 @@ _OPEN_STASHES: contextvars.ContextVar[tuple[stash, ...]] = contextvars.ContextVa
 )
 
 
-#: per thread, the replayer of each strategy's ``stash`` blocks (see :func:`_shared_replayer`)
-_STASH_REPLAYERS = threading.local()
+#: per thread, the plan and replayer of each strategy's ``stash`` blocks (see :func:`_shared`)
+_STASH_SHARED = threading.local()
 
 
-def _shared_replayer(
+@dataclass(slots=True, eq=False)
+class _Shared:
+    """What the ``stash`` blocks opened at one line share: their plan's compressors (whose
+    state, a seed stream or ``quant.auto``'s measurements, goes on from step to step) and the
+    record of decisions they replay."""
+
+    plan: Plan
+    replayer: Replayer
+
+
+def _shared(
     strategy: str | None,
     policy: PolicyLike | None,
     options: dict[str, Any],
     min_bytes: int,
     module: nn.Module | None,
     where: tuple[str, int],
-) -> Replayer | None:
-    """The replayer every ``stash`` block opened at the same line of code (``where``) with this
+) -> _Shared | None:
+    """What every ``stash`` block opened at the same line of code (``where``) with this
     strategy, options and module shares on this thread: a training loop opens a new block each
-    step, and a block's own engine would record every time; two regions of code (a GAN's two
-    steps) keep records of their own. None (the block records on its own) for a policy
-    object, which has no stable key, or options that cannot be one."""
+    step, whose own compressors would start afresh (``quant.auto`` measuring forever) and whose
+    own engine would record every time; two regions of code (a GAN's two steps) keep theirs
+    apart. None (the block builds its own) for a policy object, which has no stable key, or
+    options that cannot be one."""
     if policy is not None or strategy is None:
         return None
     try:
-        key = (where, strategy, tuple(sorted(options.items())), min_bytes, id(module))
+        key = (
+            where,
+            strategy,
+            tuple(sorted(options.items())),
+            min_bytes,
+            id(module),
+            REGISTRY.generation,  # a strategy registered anew: built anew
+        )
         hash(key)
     except TypeError:
         return None
-    table: dict[Any, Replayer] | None = getattr(_STASH_REPLAYERS, "table", None)
+    table: dict[Any, _Shared] | None = getattr(_STASH_SHARED, "table", None)
     if table is None:
-        table = _STASH_REPLAYERS.table = {}
+        table = _STASH_SHARED.table = {}
     found = table.get(key)
     if found is None:
-        found = table[key] = Replayer(Tally(), set, _no_code)
+        plan = _as_plan(strategy, None, options)  # a bad name raises here, and is not kept
+        found = table[key] = _Shared(plan, Replayer(Tally(), set, _no_code))
     return found
 
 
@@ -381,7 +400,8 @@ class stash:
         """``module``: the block runs inside that module's forward (a layer that compresses
         its own saves): its Parameters and buffers are left as they are, and its saves are
         counted and named as its."""
-        self.plan = _as_plan(strategy, policy, options)
+        shared = _shared(strategy, policy, options, min_bytes, module, _caller())
+        self.plan = shared.plan if shared is not None else _as_plan(strategy, policy, options)
         self.module = module
         if self.plan.has_rewriters:
             names = [b.name for b in self.plan.built.values() if b.rewriters]
@@ -393,7 +413,7 @@ class stash:
             self.plan.compressor,
             min_bytes=min_bytes,
             in_scope=self._in_scope,
-            replayer=_shared_replayer(strategy, policy, options, min_bytes, module, _caller()),
+            replayer=shared.replayer if shared is not None else None,
         )
         self._exit: Any = None
         self._token: contextvars.Token[tuple[stash, ...]] | None = None

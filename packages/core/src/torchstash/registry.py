@@ -199,6 +199,8 @@ class Registry:
         self._entry_points: dict[str, list[_EntryPoint]] | None = None
         self._loading: list[tuple[str | None, str, str]] = []  # (prefix, distribution, version)
         self._lock = threading.RLock()
+        #: bumped by every registration and removal: what was built from names may be stale
+        self.generation = 0
 
     # -- registration -------------------------------------------------------------------------
 
@@ -225,6 +227,7 @@ class Registry:
                 name, factory, bool(lossless), summary, dist, version, preset, bool(candidate)
             )
             self._strategies[name] = strategy
+            self.generation += 1
             return strategy
 
     def register_op_default(self, func: str, factory: Factory, *, summary: str) -> OpDefault:
@@ -241,6 +244,7 @@ class Registry:
             _refuse_twice(f"a default for op {func!r}", self._op_defaults.get(func), dist, version)
             default = OpDefault(func, factory, summary, dist, version)
             self._op_defaults[func] = default
+            self.generation += 1
             return default
 
     def unregister_op_default(self, func: str) -> None:
@@ -248,6 +252,7 @@ class Registry:
             if self._loading:
                 self._check_own(func, "unregister")
             self._op_defaults.pop(func, None)
+            self.generation += 1
 
     def op_default(self, func: str) -> OpDefault | None:
         """The default code of plug-in op ``func``, loading the plug-in owning its prefix."""
@@ -314,6 +319,7 @@ class Registry:
             if self._loading:
                 self._check_own(name, "unregister")
             self._strategies.pop(name, None)
+            self.generation += 1
 
     def _provider(self, name: str) -> tuple[str, str]:
         """Who registers ``name`` now: the loading plug-in (which must own its prefix), or

@@ -174,10 +174,8 @@ class Scoping:
         OP_STATE.engines += 1
         stack.callback(self._deactivate)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
-        if OP_STATE.depth == 0 and not replaying:
-            stack.enter_context(OpTracker())
-            OP_STATE.depth += 1
-            stack.callback(leave_tracker)
+        if not replaying:
+            enter_tracker(stack)
         return stack
 
     def _deactivate(self) -> None:
@@ -242,10 +240,7 @@ class Scoping:
         stack.callback(self._leave_region)
         if self.dedupe:
             stack.enter_context(watching(CARRY_OPS, self._carry_recipe))
-        if OP_STATE.depth == 0:
-            stack.enter_context(OpTracker())
-            OP_STATE.depth += 1
-            stack.callback(leave_tracker)
+        enter_tracker(stack)
         return stack
 
     def _leave_region(self) -> None:
@@ -319,6 +314,14 @@ def op_call() -> OpCall:
     """The running op's call, for the site of what it saves."""
     state = OP_STATE
     return OpCall(tuple(state.args), state.kwargs, functools.partial(wait_for, state.call_id))
+
+
+def enter_tracker(stack: contextlib.ExitStack) -> None:
+    """The op tracker on until ``stack`` closes, unless one is on already on this thread."""
+    if OP_STATE.depth == 0:
+        stack.enter_context(OpTracker())
+        OP_STATE.depth += 1
+        stack.callback(leave_tracker)
 
 
 def leave_tracker() -> None:

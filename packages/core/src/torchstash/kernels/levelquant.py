@@ -9,8 +9,6 @@ Philox and bit-packing kernels (the same bits). The bit-exact definition is
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ..errors import KernelUnavailable
@@ -22,9 +20,6 @@ from .philox import philox_uniform
 from .reference import pack_bits_ref, philox_uniform_ref
 
 __all__ = ["level_quantize", "level_quantize_ref"]
-
-Uniforms = Callable[[int, int, torch.device], torch.Tensor]
-Packer = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def _check(x: object, levels: object, bits: int, seed: int, *, op: str) -> None:
@@ -52,20 +47,20 @@ def _check(x: object, levels: object, bits: int, seed: int, *, op: str) -> None:
 
 
 def _composed(
-    x: torch.Tensor,
-    levels: torch.Tensor,
-    bits: int,
-    seed: int,
-    uniforms: Uniforms,
-    pack: Packer,
+    x: torch.Tensor, levels: torch.Tensor, bits: int, seed: int, *, golden: bool
 ) -> torch.Tensor:
+    """The definition's steps as PyTorch ops, over the pure-PyTorch Philox and packing
+    (``golden``) or over their kernels (the same bits)."""
     v = x.detach().contiguous().reshape(-1).float()
     upper = torch.bucketize(v, levels, out_int32=True).clamp_(1, levels.numel() - 1)
     low, high = levels[upper - 1], levels[upper]
-    u = uniforms(v.numel(), seed, v.device)
+    if golden:
+        u = philox_uniform_ref(v.numel(), seed, 0, device=v.device)
+    else:
+        u = philox_uniform(v.numel(), seed, 0, device=v.device)
     codes = upper - (u * (high - low) >= v - low).to(torch.int32)
     codes = codes.masked_fill_(v.isnan(), 2**bits - 1).to(torch.uint8)
-    return pack(codes, bits)
+    return pack_bits_ref(codes, bits) if golden else pack_bits(codes, bits)
 
 
 def level_quantize_ref(x: torch.Tensor, levels: torch.Tensor, bits: int, seed: int) -> torch.Tensor:
@@ -75,14 +70,7 @@ def level_quantize_ref(x: torch.Tensor, levels: torch.Tensor, bits: int, seed: i
     ``u`` its Philox uniform at (``seed``, 0); NaN gets ``2**bits - 1``; the codes are packed
     at ``bits`` bits."""
     _check(x, levels, bits, seed, op="level_quantize_ref")
-    return _composed(
-        x,
-        levels,
-        bits,
-        seed,
-        lambda n, s, device: philox_uniform_ref(n, s, 0, device=device),
-        pack_bits_ref,
-    )
+    return _composed(x, levels, bits, seed, golden=True)
 
 
 def level_quantize(
@@ -104,11 +92,4 @@ def level_quantize(
         )
     if impl == "ref":
         return level_quantize_ref(x, levels, bits, seed)
-    return _composed(
-        x,
-        levels,
-        bits,
-        seed,
-        lambda n, s, device: philox_uniform(n, s, 0, device=device),
-        pack_bits,
-    )
+    return _composed(x, levels, bits, seed, golden=False)
