@@ -206,10 +206,8 @@ class Engine(Scoping, Recomputation):
             deps: tuple[int, ...] = ()
             if isinstance(value, Recomputed):
                 derive = rederive.record(value, t, rec, lambda a: is_state(a, self._state))
-                deps = tuple(rec.position(e) for e, _ in value.sources)
                 if derive is None:  # its recipe reads what a replay cannot check
-                    needs_call = True
-                    deps += tuple(rec.position_of_value(s) for s in value.recipe.stats)
+                    needs_call, deps = True, rec.sources_of(value)
                 else:
                     deps = (derive.source, *derive.stats)
                 if min(deps, default=0) < 0:

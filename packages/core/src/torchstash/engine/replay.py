@@ -12,8 +12,10 @@ forward exactly as stock PyTorch keeps them, and the next forward records again.
 
 What replays: a parameter, a tensor stored as is (with its reason, ``min_bytes`` say), a
 second save of one of those, and a code whose compressor says it ``replays`` (it reads nothing
-of the op call: memsave's ReLU mask, the sign bits). A forward that coded anything else, or
-recomputed anything, records on every step (those codes and recipes read the op's arguments).
+of the op call: memsave's ReLU mask, the sign bits), and an output recomputed from a code
+where :mod:`.rederive` can check its recipe. The saves that read the op's arguments (attention's
+codes and recipes, a GELU's derivative code) are decided again by the full path each step, in
+the module calls around them (:mod:`.regions`); the rest of such a forward replays.
 A replayed forward counts in the tally what its recording counted, row by row (exact for the
 same saves over the same storage sharing within the step, as in a training loop; a storage
 held across steps by a live graph is counted as the recording counted it).
@@ -230,6 +232,12 @@ class Recorder:
                 return i
         return -1
 
+    def sources_of(self, value: Recomputed) -> tuple[int, ...]:
+        """The positions of the saves a recomputed value reads: its operands' and its
+        statistics' (-1 for one this forward did not store)."""
+        operands = tuple(self.position(e) for e, _ in value.sources)
+        return operands + tuple(self.position_of_value(s) for s in value.recipe.stats)
+
     def refuse(self) -> None:
         self.replayable = False
 
@@ -239,9 +247,7 @@ class Recorder:
         it again, in the region of what it is recomputed from."""
         for move, entry in zip(self.moves, self.entries, strict=True):
             if entry is not None and move.kind == KEEP and isinstance(entry.value, Recomputed):
-                value = entry.value
-                deps = tuple(self.position(e) for e, _ in value.sources)
-                deps += tuple(self.position_of_value(s) for s in value.recipe.stats)
+                deps = self.sources_of(entry.value)
                 if min(deps, default=0) < 0:
                     self.refuse()
                     return
