@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from .compressor import AS_IS
 from .offload import CpuOffload
 
-if TYPE_CHECKING:
-    from .registry import Registry
+
+class Registering(Protocol):
+    """What :func:`register` needs of a registry (the registry calls it: no import back)."""
+
+    def register(
+        self, name: str, factory: Callable[..., Any], *, lossless: bool, summary: str
+    ) -> object: ...
 
 
 def _none() -> object:
@@ -20,7 +26,7 @@ def _offload_cpu(prefetch: int = 2, pin_memory: bool = True) -> CpuOffload:
     return CpuOffload(prefetch=prefetch, pin_memory=pin_memory)
 
 
-def register(registry: Registry) -> None:
+def register(registry: Registering) -> None:
     registry.register(
         "none",
         _none,

@@ -13,7 +13,7 @@ import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -39,9 +39,6 @@ from .entries import RELEASED, Entry, Recomputed, dedupe_key, version_alias
 from .messages import FUSED_EXACT_REASON
 from .tally import Row, Tally
 
-if TYPE_CHECKING:
-    from .scope import ThreadState
-
 #: a recipe's operands: each entry (held weakly) and the shape its op saved it in
 Sources = tuple[tuple["weakref.ref[Entry]", torch.Size], ...]
 
@@ -65,10 +62,16 @@ class Derivation:
     outputs: list[tuple[Entry, torch.Size]] = field(default_factory=list)
 
 
+class DeriveState(Protocol):
+    """What recomputation keeps per thread (:class:`~.scope.ThreadState`): the derive op call
+    whose saves are being collected."""
+
+    deriving: Derivation | None
+
+
 class Recomputation:
     """The engine's recomputation of outputs (a part of :class:`~.core.Engine`)."""
 
-    _tls: ThreadState
     _skip: set[int]
     dedupe: bool
     #: outputs a later save may recompute: key -> (the output, its recipe, the operands'
@@ -77,6 +80,8 @@ class Recomputation:
 
     if TYPE_CHECKING:
 
+        @property
+        def _tls(self) -> DeriveState: ...
         @property
         def tally(self) -> Tally: ...
         def _store_as_is(self, entry: Entry, t: torch.Tensor) -> None: ...

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -27,8 +27,17 @@ from ..derive import Recipe, Replay
 from ..packed import storage_base
 from .entries import RELEASED, Entry, Recomputed
 
-if TYPE_CHECKING:
-    from .replay import Recorder
+
+class Positions(Protocol):
+    """What :func:`record` reads of the recording (:class:`~.replay.Recorder`): where each
+    entry and statistic was stored, and the autograd node of each stored tensor."""
+
+    nodes: dict[int, Any]
+
+    def position(self, entry: Entry) -> int: ...
+
+    def position_of_value(self, value: torch.Tensor) -> int: ...
+
 
 #: ops of one operand whose recipe reads parameters, the saved statistics and plain values
 #: the op's node keeps (a GELU's ``approximate``); an attention's several operands are not
@@ -92,7 +101,7 @@ class Rederive:
 def record(
     value: Recomputed,
     t: torch.Tensor,
-    rec: Recorder,
+    rec: Positions,
     is_state: Callable[[torch.Tensor], bool],
 ) -> Rederive | None:
     """The recorded form of the save ``t`` kept as ``value``, or None where a replay could

@@ -17,15 +17,33 @@ region: that forward is not replayed.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..packed import Packed
 
 if TYPE_CHECKING:
     from .entries import Entry
-    from .replay import Move
-    from .scope import Frame
+
+
+class Frame(Protocol):
+    """A module call on the recording's stack (:class:`~.scope.Frame`)."""
+
+    owner: object
+    call: int
+    counts: dict[str, int] | None
+
+
+class Placed(Protocol):
+    """What :func:`place` reads and marks of a recorded save (:class:`~.replay.Move`)."""
+
+    stack: tuple[Any, ...]
+    deps: tuple[int, ...]
+    needs_call: bool
+    turned: bool
+    full: bool
+
 
 #: a region's key: the module's id and which call of it in the forward
 Key = tuple[int, int]
@@ -64,7 +82,7 @@ def _common(a: tuple[Frame, ...], b: tuple[Frame, ...]) -> tuple[Frame, ...]:
     return a[:n]
 
 
-def place(moves: list[Move]) -> dict[Key, Region] | None:
+def place(moves: Sequence[Placed]) -> dict[Key, Region] | None:
     """The regions of a recorded forward, marking ``full`` the moves the full path decides
         again: those whose decision read the op call, what they share or are recomputed from
         (the full path must have stored it to find it), and a save that turned one of those
@@ -119,4 +137,4 @@ def place(moves: list[Move]) -> dict[Key, Region] | None:
     return out
 
 
-__all__ = ["Key", "Region", "decided", "place"]
+__all__ = ["Frame", "Key", "Placed", "Region", "decided", "place"]

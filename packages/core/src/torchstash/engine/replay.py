@@ -26,7 +26,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -34,7 +34,7 @@ from ..compressor import Compressor, replays_next
 from ..layout import dense_strides
 from ..packed import Packed, storage_base
 from ..site import Site
-from .entries import Entry, Recomputed, Saved, dedupe_key
+from .entries import Entry, Graph, Recomputed, Saved, dedupe_key
 from .params import parameter_copy
 from .rederive import Rederive, rebuild
 from .regions import Key, Region, place
@@ -42,8 +42,24 @@ from .tally import Row
 from .totals import Totals, add, diff, snapshot
 
 if TYPE_CHECKING:
-    from .scope import ThreadState
     from .tally import Tally
+
+
+class ReplayState(Protocol):
+    """What a replayed forward keeps per thread (:class:`~.scope.ThreadState`)."""
+
+    frames: list[Any]
+    graph: Graph | None
+    replaying: Trace | None
+    position: int
+    bases: FirstSaves
+    entries: dict[int, Entry]
+    keys: dict[int, tuple[Any, ...]]
+    nodes: dict[int, Any]
+
+    @property
+    def region(self) -> object | None: ...  # the region running down the full path
+
 
 #: what a move does with its save
 PARAM, KEEP, SHARED, CODE, DERIVE = "param", "keep", "shared", "code", "derive"
@@ -400,7 +416,7 @@ class Replayer:
 
     # -- replaying ---------------------------------------------------------------------------
 
-    def pack(self, t: torch.Tensor, tls: ThreadState) -> Saved | Move | None:
+    def pack(self, t: torch.Tensor, tls: ReplayState) -> Saved | Move | None:
         """The replayed save at the forward's next position, or None on a guard miss, or its
         move when the full path decides it (in a region: :mod:`.regions`)."""
         trace = tls.replaying
@@ -484,7 +500,7 @@ class Replayer:
             tls.nodes[i] = t.grad_fn
         return Saved(entry)
 
-    def _rederive(self, t: torch.Tensor, m: Move, tls: ThreadState) -> Entry | None:
+    def _rederive(self, t: torch.Tensor, m: Move, tls: ReplayState) -> Entry | None:
         """A DERIVE move's entry: ``t`` kept as its recipe over this step's operand, the
         compressor told (a budget counts it), or None on a guard miss."""
         d, site = m.derive, m.site
@@ -502,7 +518,7 @@ class Replayer:
         entry.strides = dense_strides(t)
         return entry
 
-    def finish_replay(self, tls: ThreadState) -> bool:
+    def finish_replay(self, tls: ReplayState) -> bool:
         """A replayed forward ended: count what it saved. False when it saved other than
         the trace says (fewer saves): the next forward records again."""
         trace = tls.replaying
