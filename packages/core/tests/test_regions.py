@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import torchstash
+from torchstash.optrack import STATE
 from torchstash.site import Site
 from torchstash.testing.replay import Tracked, tally_rows
 from torchstash.testing.toys import HalfCompressor
@@ -239,3 +240,42 @@ def test_regions_under_autocast(reader: str, tracked: Tracked) -> None:
             torch.testing.assert_close(g, w, rtol=0, atol=0)
         assert tally_rows(b.tally) == tally_rows(a.tally)
     assert b.engine.replayer.replayed == 3 and b.engine.replayer.trace is not None
+
+
+class Raises(Net):
+    """Its attention raises on demand, inside the region's call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.inp(x))
+        a = self.attn(h)
+        if self.fail:
+            raise RuntimeError("out of memory (simulated)")
+        return self.out(self.mid(h + a))
+
+
+def test_a_forward_that_raises_in_a_region_leaves_the_engine_usable(
+    reader: str, tracked: Tracked
+) -> None:
+    """An exception inside a replayed forward (after the region ran, as an out-of-memory
+    would): the region's tracker and scratch tally are gone, the next steps are the full
+    path's again."""
+    full, ours, a, b = twins(reader, Raises)
+    x = torch.randn(4, 8, 16)
+    for _ in range(3):
+        step_both(full, ours, a, b, x, tracked)
+    assert b.engine.replayer.replayed == 1
+    ours.fail = True
+    with pytest.raises(RuntimeError, match="simulated"):
+        ours(x)
+    ours.fail = False
+    tls = b.engine._tls
+    assert tls.region is None and tls.scratch is None
+    assert STATE.depth == 0 and STATE.engines == 0
+    for _ in range(4):
+        step_both(full, ours, a, b, x, tracked)
+        assert tally_rows(b.tally) == tally_rows(a.tally)
+    assert b.engine.replayer.trace is not None
