@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .optrack import AUTOCAST_DEVICES, AutocastState, autocast_state
+from .site import position
 
 #: Fused attention: it saves its own output (for backward), which the projection after it
 #: saves again as a transposed copy; that copy is the saved output, a layout step later.
@@ -292,28 +293,13 @@ def _fused_attention_kind(role: str, t: torch.Tensor, args: Sequence[Any]) -> st
     """``q``, ``k``, ``v`` (the call's first three arguments, saved as they are) are sources;
     a saved tensor shaped like the output (``q``'s batch and rows, ``v``'s width) or like its
     log-sum-exp (``q``'s batch and rows) is an output; the rest (a mask) neither."""
-    if attention_operand(t, args) is not None:
+    if position(t, args) is not None:  # q, k or v
         return "source"
     q, v = (args[0], args[2]) if len(args) > 2 else (None, None)
     if role != "output" or not isinstance(q, torch.Tensor) or not isinstance(v, torch.Tensor):
         return ""
     rows = tuple(q.shape[:-1])
     return "output" if tuple(t.shape) in (rows, (*rows, v.shape[-1])) else ""
-
-
-def attention_operand(t: torch.Tensor, args: Sequence[Any]) -> int | None:
-    """Which of a fused attention's ``q``, ``k``, ``v`` (0, 1, 2) the saved ``t`` is: the
-    argument with its address, shape and strides. (Its role cannot tell: ``q``, ``k`` and
-    ``v`` split from one projection share a storage, and the kernel saves ``k`` first.)"""
-    for i, a in enumerate(args[:3]):
-        if (
-            isinstance(a, torch.Tensor)
-            and a.data_ptr() == t.data_ptr()
-            and a.shape == t.shape
-            and a.stride() == t.stride()
-        ):
-            return i
-    return None
 
 
 def recipe(op: str, args: Sequence[Any], kwargs: dict[str, Any], func: str = "") -> Recipe | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -48,18 +48,8 @@ class OpCall:
         return any(isinstance(a, torch.nn.Parameter) for a in self.args)
 
     def position(self, t: torch.Tensor, among: int = 3) -> int | None:
-        """Which of the first ``among`` arguments ``t`` is exactly (address, shape, strides),
-        or None: a fused attention's ``q``, ``k``, ``v`` split from one projection share a
-        storage, so only this tells them apart."""
-        for i, a in enumerate(self.args[:among]):
-            if (
-                isinstance(a, torch.Tensor)
-                and a.data_ptr() == t.data_ptr()
-                and a.shape == t.shape
-                and a.stride() == t.stride()
-            ):
-                return i
-        return None
+        """Which of the first ``among`` arguments ``t`` is exactly (see :func:`position`)."""
+        return position(t, self.args, among)
 
     def on_result(self, callback: Callable[[Any], None]) -> None:
         """Have ``callback(result)`` called when this call returns (a save happens inside the
@@ -67,6 +57,21 @@ class OpCall:
         call the engine does not track (a site built by hand)."""
         if self.notify is not None:
             self.notify(callback)
+
+
+def position(t: torch.Tensor, args: Sequence[Any], among: int = 3) -> int | None:
+    """Which of the first ``among`` of ``args`` ``t`` is exactly (address, shape, strides), or
+    None: a fused attention's ``q``, ``k``, ``v`` split from one projection share a storage
+    (and its kernel saves ``k`` first), so only this tells them apart."""
+    for i, a in enumerate(args[:among]):
+        if (
+            isinstance(a, torch.Tensor)
+            and a.data_ptr() == t.data_ptr()
+            and a.shape == t.shape
+            and a.stride() == t.stride()
+        ):
+            return i
+    return None
 
 
 #: The call of a save no op made (or of a site built by hand): no arguments.
