@@ -381,6 +381,13 @@ inline SignKind check_sign_unpack(const at::Tensor& packed, std::int64_t numel, 
   return sign_kind("sign_unpack", "dtype", dtype);
 }
 
+inline SignKind check_sign_select(const at::Tensor& grad, const at::Tensor& packed) {
+  check_packed("sign_select", "sign_pack", packed, 1, grad.numel());
+  TORCH_CHECK(grad.device() == packed.device(), "torchstash::sign_select: grad is on ", grad.device(),
+              " but packed is on ", packed.device(), "; keep them on one device");
+  return sign_kind("sign_select", "grad", grad.scalar_type());
+}
+
 inline void check_philox_out(const at::Tensor& out) {
   TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat,
                    "torchstash::philox_uniform: out must be float32 (got ", out.scalar_type(),

@@ -309,6 +309,18 @@ at::Tensor sign_unpack_cpu(const at::Tensor& packed, std::int64_t numel, at::Sca
   return out;
 }
 
+at::Tensor sign_select_cpu(const at::Tensor& grad, const at::Tensor& packed) {
+  const SignKind kind = bindings::check_sign_select(grad, packed);
+  const at::Tensor g = grad.contiguous();
+  const at::Tensor p = packed.contiguous();
+  const std::int64_t n = g.numel();
+  at::Tensor out = g.new_empty({n});
+  prepare_huge_pages(out.mutable_data_ptr(), static_cast<std::int64_t>(out.nbytes()));
+  cpu::sign_select(p.const_data_ptr<std::uint8_t>(), g.const_data_ptr(), n, kind, out.mutable_data_ptr(),
+                   threads_for(n));
+  return out;
+}
+
 at::Tensor topk_mask_cpu(const at::Tensor& x, std::int64_t segments, std::int64_t k, bool exact) {
   const sparse::KeyKind kind = bindings::check_topk_mask(x, segments, k, exact);
   const at::Tensor c = x.contiguous();
@@ -411,6 +423,7 @@ TORCH_LIBRARY(torchstash, m) {
   m.def("level_quantize(Tensor x, Tensor levels, int bits, int seed) -> Tensor");
   m.def("sign_pack(Tensor x) -> Tensor");
   m.def("sign_unpack(Tensor packed, int numel, ScalarType dtype) -> Tensor");
+  m.def("sign_select(Tensor grad, Tensor packed) -> Tensor");
   m.def("topk_mask(Tensor x, int segments, int k, bool exact) -> Tensor");
   m.def("mask_compact(Tensor x, Tensor mask, int kept) -> Tensor");
   m.def("mask_scatter(Tensor mask, Tensor values, int numel) -> Tensor");
@@ -436,6 +449,7 @@ TORCH_LIBRARY_IMPL(torchstash, CPU, m) {
   m.impl("level_quantize", &torchstash::level_quantize_cpu);
   m.impl("sign_pack", &torchstash::sign_pack_cpu);
   m.impl("sign_unpack", &torchstash::sign_unpack_cpu);
+  m.impl("sign_select", &torchstash::sign_select_cpu);
   m.impl("topk_mask", &torchstash::topk_mask_cpu);
   m.impl("mask_compact", &torchstash::mask_compact_cpu);
   m.impl("mask_scatter", &torchstash::mask_scatter_cpu);

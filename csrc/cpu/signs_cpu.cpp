@@ -1,5 +1,6 @@
 // OpenMP loops for sign bits: where a float tensor is above zero (NaN counts as above),
-// one bit per element in the bitpack layout, and those bits back as 1.0 / 0.0.
+// one bit per element in the bitpack layout, those bits back as 1.0 / 0.0, and a gradient
+// kept where they are set (a ReLU's backward from its bits).
 //
 // Pack: tasks of kGrain output bytes; each span of elements is tested into a byte per element
 // (a vectorized compare), then packed 8 to a byte. Unpack: tasks of kGrain input bytes, each
@@ -118,6 +119,84 @@ void unpack_range(const std::uint8_t* packed, index_t n, SignKind kind, index_t 
   }
 }
 
+// out[k] <- g[k] where bit k of packed[0, bytes) is set, else 0 (all bits clear: +0.0), per
+// element width: the bit spread into a lane mask, as in spread*, and-ed with the gradient.
+TS_CPU_CLONES void select32(const std::uint8_t* p, index_t bytes, const std::uint32_t* g, std::uint32_t* out) {
+  const U16 bit = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
+  index_t j = 0;
+  for (; j + 2 <= bytes; j += 2) {
+    const U16 w = U16{} + (static_cast<std::uint32_t>(p[j]) | (static_cast<std::uint32_t>(p[j + 1]) << 8));
+    U16 v;
+    std::memcpy(&v, g + 8 * j, sizeof(v));
+    v = (w & bit) != 0u ? v : U16{};
+    std::memcpy(out + 8 * j, &v, sizeof(v));
+  }
+  for (; j < bytes; ++j) {
+    for (int k = 0; k < 8; ++k) out[8 * j + k] = ((p[j] >> k) & 1u) != 0 ? g[8 * j + k] : 0u;
+  }
+}
+
+TS_CPU_CLONES void select16(const std::uint8_t* p, index_t bytes, const std::uint16_t* g, std::uint16_t* out) {
+  const H32 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128,
+                   1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+  index_t j = 0;
+  for (; j + 4 <= bytes; j += 4) {
+    H32 w;
+    for (int l = 0; l < 32; ++l) w[l] = p[j + l / 8];
+    H32 v;
+    std::memcpy(&v, g + 8 * j, sizeof(v));
+    v = (w & bit) != 0 ? v : H32{};
+    std::memcpy(out + 8 * j, &v, sizeof(v));
+  }
+  for (; j < bytes; ++j) {
+    for (int k = 0; k < 8; ++k) out[8 * j + k] = ((p[j] >> k) & 1u) != 0 ? g[8 * j + k] : std::uint16_t{0};
+  }
+}
+
+TS_CPU_CLONES void select64(const std::uint8_t* p, index_t bytes, const std::uint64_t* g, std::uint64_t* out) {
+  const Q8 bit = {1, 2, 4, 8, 16, 32, 64, 128};
+  for (index_t j = 0; j < bytes; ++j) {
+    Q8 v;
+    std::memcpy(&v, g + 8 * j, sizeof(v));
+    v = ((Q8{} + p[j]) & bit) != 0u ? v : Q8{};
+    std::memcpy(out + 8 * j, &v, sizeof(v));
+  }
+}
+
+// Elements [8 * j_lo, min(n, 8 * j_hi)) of sign_select.
+void select_range(const std::uint8_t* packed, const void* grad, index_t n, SignKind kind, index_t j_lo, index_t j_hi,
+                  void* out) {
+  const index_t full = std::min(j_hi, n / 8);
+  const index_t bytes = std::max<index_t>(0, full - j_lo);
+  const index_t first = 8 * j_lo;
+  switch (kind) {
+    case SignKind::kFloat32:
+      select32(packed + j_lo, bytes, static_cast<const std::uint32_t*>(grad) + first,
+               static_cast<std::uint32_t*>(out) + first);
+      break;
+    case SignKind::kFloat64:
+      select64(packed + j_lo, bytes, static_cast<const std::uint64_t*>(grad) + first,
+               static_cast<std::uint64_t*>(out) + first);
+      break;
+    default:
+      select16(packed + j_lo, bytes, static_cast<const std::uint16_t*>(grad) + first,
+               static_cast<std::uint16_t*>(out) + first);
+  }
+  for (index_t i = 8 * (j_lo + bytes); i < std::min(n, 8 * j_hi); ++i) {
+    const bool on = bitpack::unpack_code(packed, i, 1) != 0;
+    switch (kind) {
+      case SignKind::kFloat32:
+        static_cast<std::uint32_t*>(out)[i] = on ? static_cast<const std::uint32_t*>(grad)[i] : 0u;
+        break;
+      case SignKind::kFloat64:
+        static_cast<std::uint64_t*>(out)[i] = on ? static_cast<const std::uint64_t*>(grad)[i] : 0u;
+        break;
+      default:
+        static_cast<std::uint16_t*>(out)[i] = on ? static_cast<const std::uint16_t*>(grad)[i] : std::uint16_t{0};
+    }
+  }
+}
+
 }  // namespace
 
 void sign_pack(const void* x, SignKind kind, index_t n, std::uint8_t* out, int num_threads) {
@@ -135,6 +214,15 @@ void sign_unpack(const std::uint8_t* packed, index_t n, SignKind kind, void* out
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && tasks > 1)
   for (index_t t = 0; t < tasks; ++t) {
     unpack_range(packed, n, kind, t * kGrain, std::min(bytes, (t + 1) * kGrain), out);
+  }
+}
+
+void sign_select(const std::uint8_t* packed, const void* grad, index_t n, SignKind kind, void* out, int num_threads) {
+  const index_t bytes = ceil_div(n, 8);
+  const index_t tasks = ceil_div(bytes, kGrain);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && tasks > 1)
+  for (index_t t = 0; t < tasks; ++t) {
+    select_range(packed, grad, n, kind, t * kGrain, std::min(bytes, (t + 1) * kGrain), out);
   }
 }
 

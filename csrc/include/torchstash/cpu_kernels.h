@@ -86,6 +86,10 @@ void sign_pack(const void* x, SignKind kind, index_t n, std::uint8_t* out, int n
 // out[0, n) (of `kind`) <- 1.0 where the bit of packed is set, else 0.0.
 void sign_unpack(const std::uint8_t* packed, index_t n, SignKind kind, void* out, int num_threads);
 
+// out[0, n) (of `kind`) <- grad[k] where bit k of packed is set, else 0 (+0.0): a ReLU's
+// threshold_backward from its sign bits, in one pass.
+void sign_select(const std::uint8_t* packed, const void* grad, index_t n, SignKind kind, void* out, int num_threads);
+
 // Channel-wise 8-bit layout (channelquant.h): element i of x[0, n) belongs to channel
 // (i / inner) % channels; n is a multiple of inner * channels.
 // mn, mx[0, channels) <- min and max over each channel's finite elements (+inf, -inf when it

@@ -21,10 +21,11 @@ from torchstash.kernels import (
     row_group_quantize,
     row_uncenter,
     sign_pack,
+    sign_select,
     sign_unpack,
 )
 from torchstash.kernels.fp8_reference import E4M3, fp8_dequantize_ref, fp8_quantize_ref
-from torchstash.kernels.reference import sign_pack_ref, sign_unpack_ref
+from torchstash.kernels.reference import sign_pack_ref, sign_select_ref, sign_unpack_ref
 from torchstash.kernels.rowcenter_reference import (
     SUM_LANES,
     row_center_ref,
@@ -231,6 +232,34 @@ def test_sign_parity(kernel: None, device: torch.device, dtype: torch.dtype, n: 
     assert got.dtype == want.dtype and torch.equal(got, want)  # 1.0 and 0.0 only
 
 
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 15, 17, 31, 33, 1000, 70001, 131075])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str
+)
+def test_sign_select_parity(kernels_on: None, dtype: torch.dtype, n: int) -> None:
+    """Bit for bit its reference and a ReLU's ``threshold_backward``: the gradient's NaN, Inf
+    and -0.0 pass where a bit is set; +0.0 elsewhere; a non-contiguous gradient is read in
+    ``contiguous()`` order."""
+    x = _data(n, "special").to(dtype)
+    x[:3] = torch.tensor([0.0, -0.0, NAN])[: min(3, n)]
+    g = _data(2 * n, "special", seed=1).to(dtype)[::2]
+    g[:3] = torch.tensor([-0.0, NAN, -INF])[: min(3, n)]
+    packed = sign_pack(x, impl="kernel")
+    got = sign_select(g, packed, impl="kernel")
+    assert_bits_equal(got, sign_select_ref(g, packed))
+    assert_bits_equal(got, torch.ops.aten.threshold_backward(g, x, 0).reshape(-1))
+
+
+def test_sign_select_says_what_it_cannot_take(kernels_on: None) -> None:
+    g = torch.randn(10)
+    with pytest.raises(TypeError, match="sign_select: grad must be a float tensor"):
+        sign_select(g.int(), sign_pack(g))
+    with pytest.raises(ValueError, match="sign_select"):
+        sign_select(g, sign_pack(torch.randn(30)))
+    with pytest.raises(TypeError, match="sign_select: packed must be uint8"):
+        torch.ops.torchstash.sign_select(g, sign_pack(g).float())
+
+
 def test_sign_pack_is_relus_backward_mask(kernels_on: None) -> None:
     """The bits are where ``x <= 0`` is false (NaN above zero), on a non-contiguous input
     read in ``x.contiguous()`` order."""
@@ -258,6 +287,8 @@ def test_opcheck(built: None) -> None:
     codes, scale = ops.fp8_quantize(x, 100)
     torch.library.opcheck(ops.fp8_dequantize.default, (codes[:384], scale, 100, 384, torch.float32))
     torch.library.opcheck(ops.sign_unpack.default, (ops.sign_pack(x), 384, torch.float64))
+    for g in (x, x.bfloat16(), x.t()):
+        torch.library.opcheck(ops.sign_select.default, (g, ops.sign_pack(x)))
     packed, lo, step, off, const = ops.row_group_quantize(x, 64, 2, 32, 3, True)
     torch.library.opcheck(
         ops.row_group_dequantize.default,

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchstash as ts
+from torchstash.kernels import loader
 from torchstash.optrack import OpTracker
 from torchstash.signs import SignBits
 from torchstash.site import Site
@@ -173,9 +174,21 @@ def special(shape: tuple[int, ...]) -> torch.Tensor:
     return x
 
 
+def kernel_calls(ops: Ops) -> list[str]:
+    """The names of the ops ``ops`` saw, the compiled kernels' as ``torchstash.<name>``."""
+    return [str(c[0].overloadpacket) for c in ops.calls]
+
+
+@pytest.fixture
+def kernels() -> None:
+    if not loader.available("cpu"):
+        pytest.skip("compiled kernels unavailable")
+
+
+@pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_relu_code_is_the_sign_code_found_by_one_cast(
+def test_relu_code_is_the_sign_code_one_kernel_each_way(
     dtype: torch.dtype, channels_last: bool
 ) -> None:
     x = special((2, 3, 4, 5)).to(dtype)
@@ -184,40 +197,48 @@ def test_relu_code_is_the_sign_code_found_by_one_cast(
     general = SignBits(RELU_MASK.name)
     with Ops() as ops:
         packed = RELU_MASK.compress(x, Site())
-    assert not ops.named(aten.le.Scalar, aten.bitwise_not.default, aten.gt.Scalar)
+    assert [n for n in kernel_calls(ops) if "torchstash" in n or "aten.le" in n] == [
+        "torchstash.sign_pack"
+    ]
     want = general.compress(x, Site())
     assert torch.equal(packed.tensors["bits"], want.tensors["bits"])  # type: ignore[arg-type]
     assert packed.meta == want.meta and packed.codec == want.codec
     with Ops() as ops:
         restored = RELU_MASK.decompress(packed)
-    casts = ops.named(aten._to_copy.default)
-    assert casts and all(c[1][0].dtype != torch.bool for c in casts)  # no slow bool cast
+    assert "torchstash.sign_unpack" in kernel_calls(ops)
+    assert not ops.named(aten._to_copy.default)  # no cast: the kernel writes the dtype
     expected = general.decompress(want)
     assert restored.dtype == expected.dtype and restored.stride() == expected.stride()
     assert torch.equal(restored, expected)
 
 
+@pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize("inplace", [False, True])
-def test_mask_relu_finds_the_mask_by_a_cast_and_writes_the_gradient_over_it(
-    inplace: bool,
-) -> None:
-    """No comparison in forward; in backward the mask is cast from uint8 (not bool) and
-    threshold_backward writes into that cast: one full-size buffer, as stock's backward."""
-    x = special((4, 8)).requires_grad_()
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_mask_relu_takes_one_kernel_pass_each_way(inplace: bool, channels_last: bool) -> None:
+    """No comparison or cast in forward (one kernel finds and packs the bits); in backward one
+    kernel computes the gradient from them (no 1.0/0.0 tensor, no threshold_backward)."""
+    x = special((2, 4, 3, 5))
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    x.requires_grad_()
     with Ops() as ops:
         y = MF.relu(x * 1, inplace=inplace)
-    assert not ops.named(aten.le.Scalar, aten.bitwise_not.default)
-    assert ops.named(aten._to_copy.default)  # out.bool()
-    grad = torch.randn(4, 8)
+    assert not ops.named(aten.le.Scalar, aten.bitwise_not.default, aten._to_copy.default)
+    assert "torchstash.sign_pack" in kernel_calls(ops)
+    grad = torch.randn(2, 4, 3, 5)
+    if channels_last:
+        grad = grad.to(memory_format=torch.channels_last)
     with Ops() as ops:
         y.backward(grad)
-    (cast,) = ops.named(aten._to_copy.default)
-    assert cast[1][0].dtype == torch.uint8
-    assert not ops.named(aten.threshold_backward.default)
-    ((_, args, kwargs),) = ops.named(aten.threshold_backward.grad_input)
-    assert kwargs["grad_input"].data_ptr() == args[1].data_ptr()
+    kernels = [n for n in kernel_calls(ops) if n.startswith("torchstash.")]
+    assert kernels == ["torchstash.sign_select"]
+    assert not ops.named(
+        aten._to_copy.default, aten.threshold_backward.default, aten.threshold_backward.grad_input
+    )
     assert x.grad is not None
-    assert torch.equal(x.grad, aten.threshold_backward(grad, x.detach().relu(), 0))
+    want = aten.threshold_backward(grad, x.detach().relu(), 0)
+    assert torch.equal(x.grad, want) and x.grad.stride() == want.stride()
 
 
 def test_dropout_mask_by_a_cast() -> None:

@@ -13,7 +13,8 @@ import math
 import torch
 
 from .compressor import BaseCompressor
-from .kernels import pack_mask, sign_pack, sign_unpack, unpack_mask
+from .kernels import pack_mask, sign_pack, sign_select, sign_unpack, unpack_mask
+from .kernels._dispatch import use_kernel
 from .layout import memory_order, restore
 from .packed import Packed
 from .site import Site
@@ -22,17 +23,57 @@ from .site import Site
 SIGN_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def pack_sign(x: torch.Tensor, codec: str = "sign") -> Packed:
-    """``x > 0`` (or NaN) as bits in ``x``'s memory order, recorded under ``codec``: one
-    kernel pass (:func:`~torchstash.kernels.sign_pack`) where ``x`` has a memory order and a
-    float dtype it takes; the compare, negation and packing otherwise (0.11 ms on a 1 MB ReLU
-    output, one thread, against 0.015)."""
+def sign_bits(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """(``x > 0`` or NaN as bits in ``x``'s memory order, the permutation that restores that
+    order): one kernel pass (:func:`~torchstash.kernels.sign_pack`) where ``x`` has a memory
+    order and a float dtype it takes; the compare, negation and packing otherwise (0.11 ms on
+    a 1 MB ReLU output, one thread, against 0.015)."""
     dense, inverse = memory_order(x)
     if x.dtype in SIGN_DTYPES and (inverse is not None or x.is_contiguous()):
-        bits = sign_pack(dense)
-    else:
-        dense, inverse = memory_order(~(x <= 0))
-        bits = pack_mask(dense)
+        return sign_pack(dense), inverse
+    dense, inverse = memory_order(~(x <= 0))
+    return pack_mask(dense), inverse
+
+
+def sign_values(
+    bits: torch.Tensor,
+    shape: tuple[int, ...] | torch.Size,
+    order: tuple[int, ...] | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """1.0 where :func:`sign_bits` set a bit, 0.0 elsewhere, in ``dtype`` and the strides of
+    the tensor it packed: one kernel pass for the float dtypes it takes."""
+    shape = torch.Size(shape)
+    if dtype in SIGN_DTYPES:
+        return restore(sign_unpack(bits, math.prod(shape), dtype), shape, order)
+    return restore(unpack_mask(bits, math.prod(shape)), shape, order).to(dtype)
+
+
+def sign_gradient(
+    grad: torch.Tensor,
+    bits: torch.Tensor,
+    shape: tuple[int, ...] | torch.Size,
+    order: tuple[int, ...] | None,
+) -> torch.Tensor:
+    """A ReLU's input gradient, ``threshold_backward(grad, out, 0)``, from the :func:`sign_bits`
+    of its output: one kernel pass (:func:`~torchstash.kernels.sign_select`: it reads an
+    eighth of the output stock reads) where ``grad`` lies in memory in the bits' order, as it
+    does behind a conv or a norm; else the bits as 1.0/0.0 with the gradient written over
+    them. Bit for bit stock's, NaN and -0.0 included, in ``grad``'s strides."""
+    if grad.dtype in SIGN_DTYPES and grad.device.type == "cpu" and use_kernel("auto", grad.device):
+        dense, grad_order = memory_order(grad)
+        if grad_order == order and (order is not None or grad.is_contiguous()):
+            return restore(sign_select(dense, bits), torch.Size(shape), order)
+    values = sign_values(bits, shape, order, grad.dtype)
+    threshold = torch.ops.aten.threshold_backward
+    if values.stride() == grad.stride():  # one full-size buffer, as stock's backward
+        return threshold.grad_input(grad, values, 0, grad_input=values)
+    return threshold(grad, values, 0)
+
+
+def pack_sign(x: torch.Tensor, codec: str = "sign") -> Packed:
+    """:func:`sign_bits` of ``x``, recorded under ``codec``."""
+    bits, inverse = sign_bits(x)
     packed = Packed.like(x, codec, bits=bits)
     packed.meta["order"] = inverse
     return packed
@@ -43,11 +84,7 @@ def unpack_sign(packed: Packed) -> torch.Tensor:
     bits = packed.tensors["bits"]
     order = packed.meta.get("order")
     assert isinstance(bits, torch.Tensor) and (order is None or isinstance(order, tuple))
-    shape = torch.Size(tuple(packed.shape))
-    if packed.dtype in SIGN_DTYPES:
-        return restore(sign_unpack(bits, math.prod(shape), packed.dtype), shape, order)
-    mask = restore(unpack_mask(bits, math.prod(shape)), shape, order)
-    return mask.to(packed.dtype)
+    return sign_values(bits, tuple(packed.shape), order, packed.dtype)
 
 
 class SignBits(BaseCompressor):

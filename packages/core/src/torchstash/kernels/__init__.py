@@ -7,7 +7,8 @@ at 1-8 bits with per-group stochastic rounding, ``channel_minmax``/``channel_qua
 ``fp8_quantize``/``fp8_dequantize`` as e4m3 codes with a scale per group, ``level_quantize``
 rounds values stochastically to a table of a few levels (derivative codes; CPU kernel),
 ``row_center``/``row_uncenter`` take each row's offset off a normalization's input and put it
-back (``row_group_quantize``/``row_group_dequantize``: fused with the group codes), ``sign_pack``/``sign_unpack`` keep where a tensor is above zero as one bit per element,
+back (``row_group_quantize``/``row_group_dequantize``: fused with the group codes), ``sign_pack``/``sign_unpack`` keep where a tensor is above zero as one bit per element
+(``sign_select``: a gradient kept where those bits are set, a ReLU's backward; CPU kernel),
 ``topk_mask``/``mask_compact``/``mask_scatter``/``mask_offsets``/``offsets_scatter`` keep the
 ``k`` largest magnitudes per segment as a 1-bit mask or 16-bit offsets plus values; each
 runs a JIT-built C++/CUDA kernel when one is available (see ``status()``) and the
@@ -17,7 +18,15 @@ pure-PyTorch reference (``torchstash.kernels.reference`` and the ``*_reference``
 from __future__ import annotations
 
 from ._dispatch import Impl
-from .bitpack import pack_bits, pack_mask, sign_pack, sign_unpack, unpack_bits, unpack_mask
+from .bitpack import (
+    pack_bits,
+    pack_mask,
+    sign_pack,
+    sign_select,
+    sign_unpack,
+    unpack_bits,
+    unpack_mask,
+)
 from .channelquant import channel_dequantize, channel_minmax, channel_quantize
 from .fp8 import fp8_dequantize, fp8_quantize
 from .groupquant import group_dequantize, group_quantize, group_steps
@@ -60,6 +69,7 @@ __all__ = [
     "row_group_quantize",
     "row_uncenter",
     "sign_pack",
+    "sign_select",
     "sign_unpack",
     "status",
     "topk_mask",

@@ -224,6 +224,18 @@ def _sign_unpack_fake(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> t
     return packed.new_empty((numel,), dtype=dtype)
 
 
+def _sign_select_fake(grad: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    torch._check(
+        grad.dtype in _SIGN_FLOATS, lambda: f"grad must be a float tensor, got {grad.dtype}"
+    )
+    torch._check(packed.dtype == torch.uint8, lambda: f"packed must be uint8, got {packed.dtype}")
+    torch._check(
+        packed.numel() == (grad.numel() + 7) // 8,
+        lambda: f"packed must hold {(grad.numel() + 7) // 8} bytes, got {packed.numel()}",
+    )
+    return grad.new_empty((grad.numel(),))
+
+
 _OFFSET_BLOCK = 1 << 16
 
 
@@ -331,6 +343,8 @@ def register() -> None:
         torch.library.register_fake("torchstash::fp8_dequantize", _fp8_dequantize_fake)
         torch.library.register_fake("torchstash::sign_pack", _sign_pack_fake)
         torch.library.register_fake("torchstash::sign_unpack", _sign_unpack_fake)
+    if _op_defined("sign_select"):
+        torch.library.register_fake("torchstash::sign_select", _sign_select_fake)
     if _op_defined("level_quantize"):
         torch.library.register_fake("torchstash::level_quantize", _level_quantize_fake)
     if _op_defined("topk_mask"):

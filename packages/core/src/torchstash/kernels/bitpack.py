@@ -8,11 +8,26 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import KernelUnavailable
 from ._checks import check_bits, check_codes, check_numel, check_packed
 from ._dispatch import Impl, use_kernel
-from .reference import pack_bits_ref, sign_pack_ref, sign_unpack_ref, unpack_bits_ref
+from .reference import (
+    pack_bits_ref,
+    sign_pack_ref,
+    sign_select_ref,
+    sign_unpack_ref,
+    unpack_bits_ref,
+)
 
-__all__ = ["pack_bits", "pack_mask", "sign_pack", "sign_unpack", "unpack_bits", "unpack_mask"]
+__all__ = [
+    "pack_bits",
+    "pack_mask",
+    "sign_pack",
+    "sign_select",
+    "sign_unpack",
+    "unpack_bits",
+    "unpack_mask",
+]
 
 #: What sign bits read and write (a ReLU's saved output, in any float type).
 SIGN_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -86,3 +101,28 @@ def sign_unpack(
         out: torch.Tensor = torch.ops.torchstash.sign_unpack(packed, numel, dtype)
         return out
     return sign_unpack_ref(packed, numel, dtype)
+
+
+def sign_select(grad: torch.Tensor, packed: torch.Tensor, *, impl: Impl = "auto") -> torch.Tensor:
+    """``grad`` where :func:`sign_pack`'s bit is set, else 0.0 (1-D, ``grad.contiguous()``
+    order): a ReLU's ``threshold_backward`` read from its output's sign bits in one pass,
+    bit for bit (NaN and -0.0 of the gradient pass where a bit is set)."""
+    op = "sign_select"
+    if not isinstance(grad, torch.Tensor) or grad.dtype not in SIGN_DTYPES:
+        got = grad.dtype if isinstance(grad, torch.Tensor) else type(grad).__name__
+        raise TypeError(f"{op}: grad must be a float tensor, got {got}")
+    check_packed(packed, 1, grad.numel(), op=op)
+    if packed.device != grad.device:
+        raise ValueError(
+            f"{op}: packed is on {packed.device} but grad is on {grad.device}; keep them on "
+            "one device"
+        )
+    if grad.device.type == "cpu" and use_kernel(impl, grad.device):
+        out: torch.Tensor = torch.ops.torchstash.sign_select(grad, packed)
+        return out
+    if impl == "kernel":
+        raise KernelUnavailable(
+            f"{op}: its compiled kernel runs on the CPU only, grad is on {grad.device}; "
+            "impl='auto' runs the same steps as PyTorch ops"
+        )
+    return sign_select_ref(grad, packed)

@@ -22,6 +22,7 @@ __all__ = [
     "philox4x32_10",
     "philox_uniform_ref",
     "sign_pack_ref",
+    "sign_select_ref",
     "sign_unpack_ref",
     "unpack_bits_ref",
 ]
@@ -91,6 +92,15 @@ def sign_pack_ref(x: torch.Tensor) -> torch.Tensor:
 def sign_unpack_ref(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """1.0 where :func:`sign_pack_ref`'s bit is set, else 0.0: 1-D ``dtype`` of ``numel``."""
     return unpack_bits_ref(packed, 1, numel).to(dtype)
+
+
+def sign_select_ref(grad: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``grad`` (in ``grad.contiguous()`` order, 1-D) where :func:`sign_pack_ref`'s bit is set,
+    else 0.0: ``threshold_backward(grad, values, 0)`` for values whose signs were packed."""
+    keep = unpack_bits_ref(packed, 1, grad.numel()).bool()
+    return torch.where(
+        keep, grad.reshape(-1), torch.zeros((), dtype=grad.dtype, device=grad.device)
+    )
 
 
 def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

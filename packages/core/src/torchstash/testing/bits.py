@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 
 #: The integer dtype of the same width, to compare floats by their bits.
-INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+INT_VIEW = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
 
 
 def assert_bits_equal(got: torch.Tensor, want: torch.Tensor) -> None:

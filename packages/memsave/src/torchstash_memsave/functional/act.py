@@ -6,8 +6,9 @@ depends on one bit per element. The masks follow stock's backward exactly, NaN i
 (measured on CPU, torch 2.13):
 
 * ReLU: ``threshold_backward(g, out, 0)`` zeroes where ``out <= 0``: keep ``~(out <= 0)``
-  (a NaN keeps its gradient), which for an output never below zero is ``out != 0``: found
-  by one cast, ``out.bool()`` (comparisons are some 8x slower on CPU);
+  (a NaN keeps its gradient), the core's sign bits (:mod:`torchstash.signs`): one kernel
+  pass finds and packs them, and one computes the gradient from them
+  (:func:`~torchstash.signs.sign_gradient`, which reads an eighth of what stock's reads);
 * LeakyReLU: ``leaky_relu_backward`` is ``x > 0 ? g : g * slope``: keep ``x > 0`` (NaN gets
   ``g * slope``);
 * Hardtanh/ReLU6: ``hardtanh_backward`` keeps the gradient strictly inside the bounds
@@ -17,10 +18,10 @@ depends on one bit per element. The masks follow stock's backward exactly, NaN i
   with the same answers and NaN at the same places; on CPU the NaN positions are saved as a
   second 1-bit mask, only when the input has any.
 
-The bits are packed with :func:`torchstash.kernels.pack_mask` in memory order, so a
-channels_last mask unpacks channels_last and the gradient has stock's strides. The backward
-kernel reads the mask cast to the gradient's dtype (through uint8: a bool cast is slow) and
-writes its result over it (:func:`_into`).
+The bits are packed in memory order, so a channels_last mask unpacks channels_last and the
+gradient has stock's strides. For LeakyReLU and Hardtanh the backward kernel reads the mask
+cast to the gradient's dtype (through uint8: a bool cast is slow) and writes its result over
+it (:func:`_into`).
 """
 
 from __future__ import annotations
@@ -33,9 +34,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from torchstash import as_op, engine_active
-from torchstash.packed import Packed
-from torchstash.signs import SignBits
-from torchstash.site import Site
+from torchstash.signs import SignBits, sign_bits, sign_gradient
 
 from ._standin import as_uint8, check_inplace, needs_graph, pack_keep_mask, unpack_keep_mask
 from ._tracker import apply, untracked
@@ -112,8 +111,6 @@ class MaskedActivationFunction(torch.autograd.Function):
         nan: torch.Tensor | None = None
         if kind == "relu":
             out = torch.relu_(x) if inplace else torch.relu(x)
-            if need:
-                keep = out.bool()  # out >= 0 or NaN: nonzero is ~(out <= 0)
         elif kind == "leaky_relu":
             if need:
                 keep = x > 0
@@ -127,11 +124,16 @@ class MaskedActivationFunction(torch.autograd.Function):
         if inplace:
             ctx.mark_dirty(x)
             out = x  # the same tensor; named as the input so torch.compile sees it returned
-        if keep is None:
+        if not need:
             ctx.save_for_backward(None, None)
             return out
-        bits, inverse = pack_keep_mask(keep)
-        nan_bits = None if nan is None else pack_keep_mask(nan)[0]
+        if kind == "relu":  # the output's sign bits in one pass: ~(out <= 0), NaN kept
+            bits, inverse = sign_bits(out)
+            nan_bits = None
+        else:
+            assert keep is not None
+            bits, inverse = pack_keep_mask(keep)
+            nan_bits = None if nan is None else pack_keep_mask(nan)[0]
         ctx.save_for_backward(bits, nan_bits)
         ctx.meta = (tuple(x.shape), inverse, kind, a, b)
         return out
@@ -141,10 +143,10 @@ class MaskedActivationFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         bits, nan_bits = ctx.saved_tensors
         shape, inverse, kind, a, b = ctx.meta
-        keep = unpack_keep_mask(bits, shape, inverse)
         if kind == "relu":
-            gx = _into(aten.threshold_backward, grad, as_uint8(keep).to(grad.dtype), 0)
-        elif kind == "leaky_relu":
+            return sign_gradient(grad, bits, shape, inverse), None, None, None, None
+        keep = unpack_keep_mask(bits, shape, inverse)
+        if kind == "leaky_relu":
             gx = _into(aten.leaky_relu_backward, grad, as_uint8(keep).to(grad.dtype), a, False)
         else:
             nan = None if nan_bits is None else unpack_keep_mask(nan_bits, shape, inverse)
@@ -174,22 +176,8 @@ def _apply(x: torch.Tensor, kind: str, a: float, b: float, inplace: bool) -> tor
 
 class ReLUMask(SignBits):
     """The core's sign code (:class:`torchstash.signs.SignBits`: the same bits, the same
-    record, the same 1.0/0.0 restored) for what only a ReLU's output is given: values never
-    below zero, where "above zero or NaN" is "nonzero". One cast finds the bits
-    (``x.bool()``; the general code compares and negates, some 8x the time on CPU), and the
-    restore casts through uint8 (a bool-to-float cast is as slow)."""
-
-    def compress(self, x: torch.Tensor, site: Site) -> Packed:
-        bits, order = pack_keep_mask(x.bool())
-        packed = Packed.like(x, self.name, bits=bits)
-        packed.meta["order"] = order
-        return packed
-
-    def decompress(self, packed: Packed) -> torch.Tensor:
-        bits, order = packed.tensors["bits"], packed.meta.get("order")
-        assert isinstance(bits, torch.Tensor) and (order is None or isinstance(order, tuple))
-        keep = unpack_keep_mask(bits, tuple(packed.shape), order)
-        return as_uint8(keep).to(packed.dtype)
+    record, the same 1.0/0.0 restored, one kernel pass each way) under the name of memsave's
+    ReLU code, for what only a ReLU's output is given."""
 
 
 #: The engine's code for a ReLU output: 1 bit per element, decoded as 1.0 (kept) or 0.0.
