@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tomllib
 from pathlib import Path
 
 import nox
@@ -26,8 +27,8 @@ TORCH = os.environ.get("TORCHSTASH_TORCH", "torch==2.13.0")
 # installs from these machines' disk and runs timm and torchvision's models.
 ECOSYSTEM_TORCH = os.environ.get("TORCHSTASH_ECOSYSTEM_TORCH", "torch==2.14.1")
 TORCHVISION = os.environ.get("TORCHSTASH_TORCHVISION", "torchvision==0.29.1")
-#: every package under packages/ but the core: a new plug-in is linted, typed and tested the
-#: day its folder (with a pyproject.toml) exists
+#: every package under packages/ but the core (the plug-ins and the lab, ``bench``): a new
+#: plug-in is linted, typed and tested the day its folder (with a pyproject.toml) exists
 PLUGINS = sorted(
     p.name
     for p in Path(__file__).parent.joinpath("packages").iterdir()
@@ -39,12 +40,35 @@ FLOORS = {"torch": "2.13.0", "rich": "13.3.0", "ninja": "1.11.1", "numpy": "1.26
 SRC_DIRS = ["packages/core/src", *(f"packages/{p}/src" for p in PLUGINS)]
 
 
-def _install(session: nox.Session, *packages: str, extras: str = "", torch: str = TORCH) -> None:
-    """torch first (pinned), then our packages as real, non-editable installs."""
+def _local_needs(package: str) -> list[str]:
+    """``package`` and the packages of this repository it depends on (the lab depends on every
+    plug-in): installed from here, never looked up on an index."""
+    here = Path(__file__).parent / "packages"
+    local = {
+        tomllib.loads((p / "pyproject.toml").read_text())["project"]["name"]: p.name
+        for p in here.iterdir()
+        if (p / "pyproject.toml").is_file()
+    }
+    project = tomllib.loads((here / package / "pyproject.toml").read_text())["project"]
+    needs = [package]
+    for requirement in project.get("dependencies", []):
+        name = requirement.split("~")[0].split("=")[0].split(">")[0].split("<")[0].strip()
+        if name in local:
+            needs += [n for n in _local_needs(local[name]) if n not in needs]
+    return needs
+
+
+def _install(
+    session: nox.Session, *packages: str, extras: dict[str, str] | None = None, torch: str = TORCH
+) -> None:
+    """torch first (pinned), then our packages (and the ones of ours they need) as real,
+    non-editable installs; ``extras`` maps a package to the extras it is installed with."""
     session.install(torch)
-    paths = [f"./packages/{p}" for p in packages]
-    if extras:
-        paths[0] = f"{paths[0]}[{extras}]"
+    names: list[str] = []
+    for package in packages:
+        names += [n for n in _local_needs(package) if n not in names]
+    extras = extras or {}
+    paths = [f"./packages/{p}" + (f"[{extras[p]}]" if p in extras else "") for p in names]
     session.install(torch, *paths, *TEST_DEPS)  # torch again: no dependency may swap it
 
 
@@ -72,8 +96,9 @@ def typecheck(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("package", ["core", *PLUGINS], ids=["core", *PLUGINS])
 def tests(session: nox.Session, package: str) -> None:
-    """One package's own tests in an isolated install: the core alone, or the core plus one plug-in."""
-    _install(session, *(["core"] if package == "core" else ["core", package]))
+    """One package's own tests in an isolated install: the core alone, the core plus one
+    plug-in, or the lab with all it measures."""
+    _install(session, package)  # a plug-in brings the core; the lab, everything
     _pytest(session, f"packages/{package}/tests")
 
 
@@ -88,7 +113,7 @@ def integration(session: nox.Session) -> None:
 def ecosystem(session: nox.Session) -> None:
     """Models and trainers users bring: transformers, timm, torchvision, Lightning, HF Trainer,
     on ECOSYSTEM_TORCH with TORCHVISION (every strategy on each model: tests/ecosystem)."""
-    _install(session, "core", *PLUGINS, extras="lightning,hf", torch=ECOSYSTEM_TORCH)
+    _install(session, "core", *PLUGINS, extras={"core": "lightning,hf"}, torch=ECOSYSTEM_TORCH)
     session.install(ECOSYSTEM_TORCH, TORCHVISION, "timm")
     # A torchvision built for another torch does not load (`import torchvision` raises a
     # RuntimeError); the session then fails here, naming the pair, instead of its tests
@@ -143,14 +168,14 @@ def kernels(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The README's first command: train a char-level GPT with stock PyTorch and each strategy."""
-    _install(session, "core", *PLUGINS, extras="plot")
+    _install(session, "bench", extras={"bench": "plot"})
     session.run("torchstash", "demo", *session.posargs)
 
 
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
     """The built-in model zoo x every installed strategy."""
-    _install(session, "core", *PLUGINS)
+    _install(session, "bench")
     session.run("torchstash", "bench", *session.posargs)
 
 
@@ -159,7 +184,7 @@ def compare(session: nox.Session) -> None:
     """torchstash against checkpointing, SAC, save_on_cpu and torch.compile (bench --compare).
 
     Arguments after -- go to the command, e.g. `nox -s compare -- --plot compare.png`."""
-    _install(session, "core", *PLUGINS, extras="plot")
+    _install(session, "bench", extras={"bench": "plot"})
     session.run("torchstash", "bench", "--compare", *session.posargs)
 
 

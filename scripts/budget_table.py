@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 import torchstash as ts
-from torchstash.bench.zoo import zoo
 from torchstash.budget import MB
 from torchstash.errors import ApplyError
+from torchstash.testing.models import zoo
 
 
 def main() -> None:

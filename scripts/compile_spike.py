@@ -27,9 +27,9 @@ import torch
 import torch.fx
 from torch import nn
 
-from torchstash.bench.zoo import zoo
 from torchstash.kernels import loader
 from torchstash.testing import heap
+from torchstash.testing.models import zoo
 
 GROUP = 256
 MIN_NUMEL = 4096

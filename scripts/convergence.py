@@ -55,7 +55,8 @@ from rich.table import Table
 from torch import Tensor, nn
 
 import torchstash
-from torchstash.bench.common import (
+from torchstash.policy import parse_spec
+from torchstash_bench.common import (
     cpu_threads,
     default_device,
     error_text,
@@ -64,8 +65,7 @@ from torchstash.bench.common import (
     num_threads,
     split_names,
 )
-from torchstash.bench.demo import VOCAB, load_corpus, windows
-from torchstash.policy import parse_spec
+from torchstash_bench.demo_task import VOCAB, load_corpus, windows
 
 STOCK = "stock"
 #: stock again, its initial weights scaled by ``1 + 1e-4 * noise``: the noise floor of "vs stock"

@@ -31,11 +31,12 @@ def test_import_contracts_are_kept() -> None:
 
 
 def test_the_library_imports_without_its_tools() -> None:
-    """Importing torchstash and every plug-in loads nothing from torchstash.bench."""
+    """Importing torchstash and every plug-in loads nothing from the lab (torchstash_bench) or
+    the test helpers (torchstash.testing)."""
     code = (
         "import sys, torchstash, torchstash_quant, torchstash_dropit, torchstash_memsave\n"
         "import torchstash.registry as r; r.REGISTRY.load_all()\n"
-        "print(sorted(m for m in sys.modules if m.startswith('torchstash.bench')))"
+        "print(sorted(m for m in sys.modules if m.startswith(('torchstash_bench', 'torchstash.testing'))))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import torchstash as ts
-from torchstash.bench.zoo import zoo
 from torchstash.budget import MB
 from torchstash.errors import ApplyError
+from torchstash.testing.models import zoo
 
 MODELS = {e.name: e for e in zoo("tiny")}
 

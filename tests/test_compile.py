@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import torchstash as ts
-from torchstash.bench.zoo import ZooEntry, zoo
 from torchstash.errors import CompileFallbackWarning
+from torchstash.testing.models import ZooEntry, zoo
 
 STRATEGIES = ts.REGISTRY.names()
 MODELS = {e.name: e for e in zoo("tiny")}

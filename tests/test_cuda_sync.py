@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torchstash as ts
-from torchstash.bench.zoo import zoo
+from torchstash.testing.models import zoo
 
 #: every strategy, and stock first (a model whose own step waits would fail them all)
 STRATEGIES = [None, *ts.REGISTRY.names()]

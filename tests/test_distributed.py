@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torchstash as ts
-from torchstash.bench.zoo import zoo
+from torchstash.testing.models import zoo
 
 WORLD = 2
 LOSSLESS = [s for s in ("none", "offload.cpu", "memsave") if s in ts.REGISTRY.names()]

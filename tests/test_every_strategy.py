@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torchstash as ts
-from torchstash.bench.zoo import zoo
+from torchstash.testing.models import zoo
 
 STRATEGIES = ts.REGISTRY.names()
 MODELS = {e.name: e for e in zoo("tiny")}

@@ -21,10 +21,10 @@ from torch import nn
 
 import torchstash as ts
 from torchstash import env
-from torchstash.bench.zoo import zoo
 from torchstash.errors import CompressionError, KernelUnavailable
 from torchstash.kernels import loader
 from torchstash.optrack import STATE as OP_STATE
+from torchstash.testing.models import zoo
 
 GPT = next(e for e in zoo("tiny") if e.name == "gpt")
 CPU = torch.device("cpu")

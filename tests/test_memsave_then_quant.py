@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import torchstash as ts
-from torchstash.bench.zoo import zoo
+from torchstash.testing.models import zoo
 
 
 def test_memsave_then_int8_on_the_resnet() -> None:

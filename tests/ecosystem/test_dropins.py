@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torchstash as ts
-from torchstash.bench.ecosystem import MODELS, Unavailable, fresh, gradients, library, loss_at
+from torchstash_bench.ecosystem import MODELS, Unavailable, fresh, gradients, library, loss_at
 
 
 def _model(name: str) -> torch.nn.Module:

@@ -1,7 +1,7 @@
 """Every registered strategy on the models users bring: Hugging Face transformers (GPT-2, BERT,
 ViT, Llama), timm (DeiT, ResNet-10t, ConvNeXt-atto, EfficientNet-B0) and torchvision
 (ResNet-18, MobileNetV3-small, ViT-B/16), each built from a config with random weights
-(nothing is downloaded; :mod:`torchstash.bench.ecosystem`) and skipped with a reason where its
+(nothing is downloaded; :mod:`torchstash_bench.ecosystem`) and skipped with a reason where its
 library is not installed.
 
 Per (model, strategy): a few SGD steps train (finite loss and gradients); the saved bytes of
@@ -22,8 +22,10 @@ import torch
 from torch import nn
 
 import torchstash as ts
-from torchstash.bench.common import lossless_of
-from torchstash.bench.ecosystem import (
+from torchstash.engine import CONSTANT_REASON
+from torchstash.errors import NothingToRewriteWarning
+from torchstash_bench.common import lossless_of
+from torchstash_bench.ecosystem import (
     MODELS,
     SEQ,
     VOCAB,
@@ -35,8 +37,6 @@ from torchstash.bench.ecosystem import (
     library,
     loss_at,
 )
-from torchstash.engine import CONSTANT_REASON
-from torchstash.errors import NothingToRewriteWarning
 
 STRATEGIES = ts.REGISTRY.names()
 #: Lossless strategies that store every tensor as stock does on a CPU model (offload.cpu is an
@@ -45,7 +45,7 @@ IDENTITY_ON_CPU = frozenset({"none", "offload.cpu", "quant.L0"})
 STEPS = 3
 
 #: The least cosine of a lossy strategy's first gradient with stock's, all parameters
-#: together, on every model here (``python -m torchstash.bench.ecosystem`` prints them; the
+#: together, on every model here (``python -m torchstash_bench.ecosystem`` prints them; the
 #: lowest measured on 2026-11-26 in the comments). A model whose largest gradient is one
 #: layer's (EfficientNet-B0's stem, fed the image at the codec's width) is judged on it.
 MIN_COSINE = {

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torchstash as ts
-from torchstash.bench.ecosystem import MODELS, Unavailable, fresh, gradients, loss_at
+from torchstash_bench.ecosystem import MODELS, Unavailable, fresh, gradients, loss_at
 
 STRATEGIES = ("none", "memsave", "quant.int8", "quant.int2", "quant.auto", "quant.fp8")
 STEPS = 5

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchstash as ts
-from torchstash.bench.zoo import zoo
 from torchstash.errors import ApplyError, NothingToRewriteWarning
+from torchstash.testing.models import zoo
 
 ENTRIES = {e.name: e for e in zoo("tiny")}
 

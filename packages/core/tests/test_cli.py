@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from torchstash.cli import main
+from torchstash.registry import EntryPoint
 
 
 def test_list_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -118,3 +119,30 @@ def test_import_does_not_load_dynamo() -> None:
     code = "import sys, torchstash, torchstash.cli; print('torch._dynamo' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "False", done
+
+
+def test_a_command_of_a_distribution_not_installed_says_what_to_install(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``bench`` and ``demo`` come with torchstash-bench; without it the command names it."""
+    import torchstash.cli as cli
+
+    monkeypatch.setattr(cli, "_command_entry_points", dict)
+    assert main(["bench", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "torchstash-bench" in err and "pip install" in err
+
+
+def test_a_command_from_an_entry_point_gets_its_arguments(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torchstash.cli as cli
+
+    seen: list[list[str]] = []
+
+    ep = EntryPoint(
+        "demo", "x:main", "torchstash-bench", "0.1.0", lambda: lambda argv: seen.append(argv) or 3
+    )
+    monkeypatch.setattr(cli, "_command_entry_points", lambda: {"demo": ep})
+    assert main(["demo", "--quick", "--steps", "2"]) == 3
+    assert seen == [["--quick", "--steps", "2"]]

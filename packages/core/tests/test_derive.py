@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchstash as ts
-from torchstash.bench.zoo import SelfAttention
 from torchstash.derive import matmul_order, recipe
 from torchstash.site import Site
+from torchstash.testing.models import SelfAttention
 from torchstash.testing.toys import DerivableClone
 
 pytestmark = pytest.mark.usefixtures("toy_strategies")

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 import torchstash as ts
-from torchstash.bench.zoo import zoo
 from torchstash.compressor import Compressor
 from torchstash.optrack import STATE as OP_STATE
 from torchstash.optrack import OpTracker, on_result
 from torchstash.site import Site
+from torchstash.testing.models import zoo
 
 ZOO = {e.name: e for e in zoo("tiny")}
 

@@ -26,7 +26,6 @@ from torch import nn
 
 import torchstash as ts
 from torchstash import env
-from torchstash.bench.zoo import zoo
 from torchstash.errors import CompressionError, KernelUnavailable
 from torchstash.kernels import group_quantize, loader
 from torchstash.kernels.groupquant_reference import group_quantize_ref
@@ -34,6 +33,7 @@ from torchstash.optrack import STATE as OP_STATE
 from torchstash.packed import Packed
 from torchstash.registry import _EntryPoint
 from torchstash.site import Site
+from torchstash.testing.models import zoo
 from torchstash.testing.toys import CloneCompressor
 
 GPT = next(e for e in zoo("tiny") if e.name == "gpt")

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import torchstash as ts
-from torchstash.bench.zoo import zoo
 from torchstash.offload import CpuOffload
 from torchstash.site import Site
+from torchstash.testing.models import zoo
 
 GPT = next(e for e in zoo("tiny") if e.name == "gpt")
 

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 import torchstash as ts
-from torchstash.bench.zoo import zoo
 from torchstash.errors import OptionError, PolicyError, UnknownStrategyError
 from torchstash.policy import Policy
 from torchstash.site import Site
+from torchstash.testing.models import zoo
 from torchstash.tomlheaders import header_lines
 
 GPT = next(e for e in zoo("tiny") if e.name == "gpt")

@@ -11,8 +11,8 @@ from torch import nn
 
 import torchstash as ts
 import torchstash_quant.compat.actnn as actnn
-from torchstash.bench.zoo import zoo
 from torchstash.errors import OptionError
+from torchstash.testing.models import zoo
 
 RESNET = next(e for e in zoo("tiny") if e.name == "resnet")
 

@@ -15,7 +15,7 @@ from torch import nn
 import torchstash as ts
 import torchstash_quant.compat.actnn as actnn
 import torchstash_quant.compat.gact as gact
-from torchstash.bench.zoo import zoo
+from torchstash.testing.models import zoo
 
 GPT = next(e for e in zoo("tiny") if e.name == "gpt")
 

@@ -9,12 +9,12 @@ import torch
 from torch import nn
 
 import torchstash as ts
-from torchstash.bench.zoo import zoo
 from torchstash.derive import DERIVE_OPS
 from torchstash.engine import Engine
 from torchstash.errors import OptionError
 from torchstash.site import Site
 from torchstash.testing import heap
+from torchstash.testing.models import zoo
 from torchstash_quant.auto import RECOMPUTED_OPS, AutoQuantizer, Need, allocate
 from torchstash_quant.strategies import auto, quant
 

@@ -8,8 +8,8 @@ from torch import nn
 
 import torchstash as ts
 import torchstash_quant.compat.gact as gact
-from torchstash.bench.zoo import zoo
 from torchstash.errors import OptionError
+from torchstash.testing.models import zoo
 
 GPT = next(e for e in zoo("tiny") if e.name == "gpt")
 
@@ -29,17 +29,6 @@ def test_levels_are_registered_presets() -> None:
     assert r3.stored_bytes == saved("quant.auto").stored_bytes
     assert r4.stored_bytes == r3.stored_bytes  # on CPU the offload declines: nothing to move
     assert r3.stored_bytes < r2.stored_bytes < r1.stored_bytes < r0.stored_bytes
-
-
-def test_presets_are_not_rerun_by_the_demo_and_bench() -> None:
-    from torchstash.bench.common import strategy_names
-
-    by_name = {s["name"]: s for s in ts.strategies()}
-    assert by_name["quant.L3"]["preset"] and by_name["quant"]["preset"]
-    assert not by_name["quant.int2"]["preset"]
-    default = strategy_names(None)
-    assert "quant.int2" in default and "quant.L3" not in default and "quant" not in default
-    assert strategy_names(["quant.L3"]) == ["quant.L3"]  # still runnable by name
 
 
 def test_level_1_takes_only_linear_and_conv_inputs() -> None:

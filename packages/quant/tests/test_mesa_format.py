@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import torchstash as ts
-from torchstash.bench.zoo import zoo
 from torchstash.errors import PolicyError
 from torchstash.policy import Policy, Rule
 from torchstash.registry import REGISTRY
+from torchstash.testing.models import zoo
 
 GPT = next(e for e in zoo("tiny") if e.name == "gpt")
 

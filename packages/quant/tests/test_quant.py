@@ -9,9 +9,8 @@ from torch.nn import functional as F
 
 import torchstash as ts
 from torchstash import Site
-from torchstash.bench.quant import evaluate_one
-from torchstash.bench.zoo import zoo
 from torchstash.errors import OptionError
+from torchstash.testing.models import zoo
 from torchstash_quant import GroupQuantizer, MesaQuantizer
 
 ZOO = {e.name: e for e in zoo("tiny")}
@@ -204,38 +203,6 @@ def test_bool_tensors_take_one_bit() -> None:
     assert row.stored_bytes == 2 * 64 * 512 // 8  # one bit each
 
 
-@pytest.mark.parametrize(
-    ("strategy", "model", "min_ratio", "min_bf16_ratio", "min_cosine"),
-    [
-        # floors measured on the tiny zoo (README: the small zoo and the targets)
-        ("quant.int8", "gpt", 3.8, 1.9, 0.999),
-        ("quant.int8", "vit", 3.8, 1.9, 0.999),
-        ("quant.int4", "vit", 7.0, 3.5, 0.99),
-        ("quant.int4", "gpt", 7.0, 3.5, 0.99),
-        # LayerNorm inputs carry an exact offset per row (torchstash_quant.centered), at 8
-        # bits (NORM_DEFAULT); the attention map is recomputed from q and k at 8 bits
-        # (SCORES_BITS): tiny GPT 9.23x under int2 at cosine 0.998 (10.98x at 0.992 with
-        # LayerNorm inputs at 4 bits), tiny ViT 11.6x at 0.990 (13.5x at 0.987)
-        ("quant.int2", "gpt", 9.1, 5.2, 0.97),
-        ("quant.int2", "vit", 11.5, 6.4, 0.97),
-        ("quant.mesa", "gpt", 3.7, 1.85, 0.999),
-        ("quant.mesa", "vit", 3.8, 1.9, 0.999),
-        ("quant.fp8", "vit", 3.8, 1.9, 0.999),
-        # max-pool positions in 4 bits, conv inputs after bn1's ReLU recomputed: 5.4x
-        ("quant.int8", "resnet", 5.0, 2.4, 0.999),
-    ],
-)
-def test_savings_and_gradients_on_the_zoo(
-    strategy: str, model: str, min_ratio: float, min_bf16_ratio: float, min_cosine: float
-) -> None:
-    row = evaluate_one(ZOO[model], strategy, batch=8)
-    assert row["ratio_fp32"] >= min_ratio, row
-    assert row["ratio_bf16"] >= min_bf16_ratio, row
-    assert row["grad_cosine"] >= min_cosine, row
-    # and under bf16 autocast, against stock's there: the same floors
-    assert row["grad_cosine_bf16"] >= min_cosine, row
-
-
 def test_batchnorm_on_small_maps_is_grouped_by_channel_over_the_batch() -> None:
     """A 2x2 plane is too short for a group; one channel over the batch is what BatchNorm
     normalizes, so its groups hold exactly that (stored channel-major)."""
@@ -280,7 +247,7 @@ def _attention_rows(model: nn.Module, **options: object) -> tuple[dict[str, int]
 
 
 def test_attn_bits_widens_attention_only() -> None:
-    from torchstash.bench.zoo import GPT
+    from torchstash.testing.models import GPT
 
     torch.manual_seed(0)
     model = GPT(dim=64, layers=1, ctx=16)
@@ -295,7 +262,7 @@ def test_attn_bits_widens_attention_only() -> None:
 
 
 def test_attn_bits_brings_gradients_closer() -> None:
-    from torchstash.bench.zoo import GPT
+    from torchstash.testing.models import GPT
 
     torch.manual_seed(0)
     model = GPT(dim=64, layers=1, ctx=16)
@@ -322,7 +289,7 @@ def test_int2_defaults_recompute_norm_and_gelu_outputs() -> None:
     inputs (values at 2 bits) for fc2's; ``v`` at 4 bits, the map recomputed from ``q`` and
     ``k``. A BatchNorm's input, whose
     output no op recomputes, keeps 2 bits."""
-    from torchstash.bench.zoo import GPT
+    from torchstash.testing.models import GPT
 
     torch.manual_seed(0)
     model = GPT(dim=64, layers=1, ctx=16)

@@ -1,5 +1,5 @@
 """The ``torchstash`` command (also ``python -m torchstash``): ``list``, ``doctor``, ``build``,
-``bench``, ``demo``."""
+and the commands other distributions provide (``bench`` and ``demo``, from torchstash-bench)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from rich.table import Table
 
 from ._version import __version__
 from .errors import DuplicateStrategyError
-from .registry import PluginRecord
+from .registry import EntryPoint, PluginRecord, entry_points_of
 
 
 def _console(*, stderr: bool = False) -> Console:
@@ -240,16 +240,37 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0 if st.get("built") else 1
 
 
-def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
-    from .bench.commands import main as bench_main
+#: the entry point group whose commands ``torchstash`` runs besides its own (``bench`` and
+#: ``demo`` come from torchstash-bench: the lab is not part of the library's install)
+COMMANDS_GROUP = "torchstash.commands"
+#: the commands the core's help names, and the distribution that provides them
+KNOWN_COMMANDS = {
+    "bench": ("model zoo x every strategy (see `torchstash bench -h`)", "torchstash-bench"),
+    "demo": (
+        "train a char-level GPT with each strategy (see `torchstash demo -h`)",
+        "torchstash-bench",
+    ),
+}
 
-    return int(bench_main(rest) or 0)
+
+def _command_entry_points() -> dict[str, EntryPoint]:
+    return {ep.prefix: ep for ep in entry_points_of(COMMANDS_GROUP)}
 
 
-def cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
-    from .bench.demo import main as demo_main
-
-    return int(demo_main(rest) or 0)
+def cmd_external(name: str, rest: list[str]) -> int:
+    """A command another distribution provides (entry point group ``torchstash.commands``):
+    ``main(argv)``, its exit status returned; a clear error naming what to install when none
+    provides it."""
+    ep = _command_entry_points().get(name)
+    if ep is None:
+        dist = KNOWN_COMMANDS.get(name, ("", "a torchstash plug-in"))[1]
+        _console(stderr=True).print(
+            f"torchstash {name}: this command comes with {dist}, which is not installed here; "
+            f'pip install "{dist}" (or "torchstash[bench]"), or from a checkout '
+            "`python3 -m nox -s demo`"
+        )
+        return 2
+    return int(ep.load()(rest) or 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -265,19 +286,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-build", action="store_true", help="do not try to build the kernels")
     sub.add_parser("build", help="build the compiled kernels now, before the first step needs them")
-    sub.add_parser(
-        "bench", help="model zoo x every strategy (see `torchstash bench -h`)", add_help=False
-    )
-    sub.add_parser(
-        "demo",
-        help="train a char-level GPT with each strategy (see `torchstash demo -h`)",
-        add_help=False,
-    )
+    external = {name: help for name, (help, _) in KNOWN_COMMANDS.items()}
+    for ep in _command_entry_points().values():
+        if ep.prefix not in ("list", "doctor", "build"):  # the core's own come first
+            external.setdefault(ep.prefix, f"from {ep.distribution}")
+    for name, help in external.items():
+        sub.add_parser(name, help=help, add_help=False)
     args, rest = parser.parse_known_args(argv)
-    if args.command == "bench":
-        return cmd_bench(args, rest)
-    if args.command == "demo":
-        return cmd_demo(args, rest)
+    if args.command in external:
+        return cmd_external(args.command, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "build":

@@ -147,7 +147,10 @@ class PluginRecord:
 
 
 @dataclass(frozen=True)
-class _EntryPoint:
+class EntryPoint:
+    """One entry point, with the distribution that declares it; ``prefix`` is its name (a
+    plug-in's strategy prefix, a command's name)."""
+
     prefix: str
     target: str
     distribution: str
@@ -155,17 +158,23 @@ class _EntryPoint:
     load: Callable[[], Any]
 
 
-def _discover() -> list[_EntryPoint]:
+def _discover() -> list[EntryPoint]:
     """Entry points of every installed distribution, read from metadata (nothing imported)."""
-    found: list[_EntryPoint] = []
+    return entry_points_of(GROUP)
+
+
+def entry_points_of(group: str) -> list[EntryPoint]:
+    """The entry points of ``group`` of every installed distribution, with the distribution
+    that declares each, read from metadata (nothing imported)."""
+    found: list[EntryPoint] = []
     seen: set[tuple[str, str]] = set()
     for dist in metadata.distributions():
         dist_name = dist.metadata["Name"] or "?"
         for ep in dist.entry_points:
-            if ep.group != GROUP or (dist_name, ep.name) in seen:
+            if ep.group != group or (dist_name, ep.name) in seen:
                 continue
             seen.add((dist_name, ep.name))
-            found.append(_EntryPoint(ep.name, ep.value, dist_name, dist.version, ep.load))
+            found.append(EntryPoint(ep.name, ep.value, dist_name, dist.version, ep.load))
     return found
 
 
@@ -187,7 +196,7 @@ class Registry:
 
     def __init__(
         self,
-        discover: Callable[[], Iterable[_EntryPoint]] = _discover,
+        discover: Callable[[], Iterable[EntryPoint]] = _discover,
         builtins: Callable[[Registry], None] | None = None,
     ) -> None:
         self._discover = discover
@@ -196,7 +205,7 @@ class Registry:
         self._op_defaults: dict[str, OpDefault] = {}
         self._formats: dict[str, PolicyFormat] = {}
         self._plugins: dict[str, PluginRecord] = {}
-        self._entry_points: dict[str, list[_EntryPoint]] | None = None
+        self._entry_points: dict[str, list[EntryPoint]] | None = None
         self._loading: list[tuple[str | None, str, str]] = []  # (prefix, distribution, version)
         self._lock = threading.RLock()
         #: bumped by every registration and removal: what was built from names may be stale
@@ -420,9 +429,9 @@ class Registry:
             with self._providing(None, "torchstash", __version__):
                 builtins(self)
 
-    def _entry_point_map(self) -> dict[str, list[_EntryPoint]]:
+    def _entry_point_map(self) -> dict[str, list[EntryPoint]]:
         if self._entry_points is None:
-            by_prefix: dict[str, list[_EntryPoint]] = {}
+            by_prefix: dict[str, list[EntryPoint]] = {}
             for ep in self._discover():
                 by_prefix.setdefault(ep.prefix, []).append(ep)
             self._entry_points = by_prefix
@@ -505,7 +514,7 @@ def _refuse_twice(what: str, existing: Any, dist: str, version: str) -> None:
         )
 
 
-def _disabled(ep: _EntryPoint) -> bool:
+def _disabled(ep: EntryPoint) -> bool:
     raw = env.get(env.DISABLE_PLUGINS)
     if not raw:
         return False

@@ -14,7 +14,6 @@ import torch
 
 from .compressor import BaseCompressor
 from .kernels import pack_mask, sign_pack, sign_select, sign_unpack, unpack_mask
-from .kernels._dispatch import use_kernel
 from .layout import memory_order, restore
 from .packed import Packed
 from .site import Site
@@ -60,7 +59,7 @@ def sign_gradient(
     eighth of the output stock reads) where ``grad`` lies in memory in the bits' order, as it
     does behind a conv or a norm; else the bits as 1.0/0.0 with the gradient written over
     them. Bit for bit stock's, NaN and -0.0 included, in ``grad``'s strides."""
-    if grad.dtype in SIGN_DTYPES and grad.device.type == "cpu" and use_kernel("auto", grad.device):
+    if grad.dtype in SIGN_DTYPES and grad.device.type == "cpu":  # its kernel, or reference
         dense, grad_order = memory_order(grad)
         if grad_order == order and (order is not None or grad.is_contiguous()):
             return restore(sign_select(dense, bits), torch.Size(shape), order)

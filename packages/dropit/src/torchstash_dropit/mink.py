@@ -12,7 +12,7 @@ Dropped entries come back as zeros (``fill="zero"``, DropIT's), or as their feat
 (``fill="mean"``): one float per feature (a linear input's last dimension, a conv input's
 channel) removes the rank-one bias ``colsum(G) * mean`` that the zeros put in the weight
 gradient. It lowers the one-step weight-gradient error on the demo GPT (by half at
-initialization, ``python -m torchstash.bench.dropit error``), yet trained that model to a
+initialization, ``python -m torchstash_bench.dropit error``), yet trained that model to a
 worse held-out loss (+5.6% against +4.1% for zeros at gamma 0.9), so it is not the default.
 """
 

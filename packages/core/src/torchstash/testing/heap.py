@@ -309,7 +309,7 @@ def _cross_entropy(logits: Tensor, y: Tensor) -> Tensor:
 
 
 def _gpt(sdpa: bool, scale: float) -> Case:
-    from ..bench.zoo import GPT
+    from .models import GPT
 
     vocab, ctx, batch = 128, 64, _batch(8, scale)
 

@@ -1,4 +1,4 @@
-"""``python -m torchstash.bench.dropit``: the README's figures come from working code."""
+"""``python -m torchstash_bench.dropit``: the README's figures come from working code."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchstash.bench import dropit as evaluate
+from torchstash_bench import dropit as evaluate
 
 
 def test_relative_errors_per_group() -> None:

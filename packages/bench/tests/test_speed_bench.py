@@ -1,4 +1,4 @@
-"""``python -m torchstash.bench.speed``: its rows and its command line (never its times)."""
+"""``python -m torchstash_bench.speed``: its rows and its command line (never its times)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchstash.bench import speed
+from torchstash_bench import speed
 
 
 def test_rows_relate_each_method_to_stock() -> None:

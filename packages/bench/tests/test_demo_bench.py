@@ -16,11 +16,11 @@ import torch
 from rich.console import Console
 
 import torchstash
-from torchstash.bench import commands, common, demo
-from torchstash.bench import harness as bench
 from torchstash.packed import Packed
 from torchstash.site import Site
 from torchstash.testing.toys import HalfCompressor
+from torchstash_bench import commands, common, demo, demo_results, demo_task
+from torchstash_bench import harness as bench
 
 HALF, BROKEN, CRASH = "demotest.half", "demotest.broken", "demotest.crash"
 
@@ -64,7 +64,7 @@ def toy_names() -> Iterator[list[str]]:
 @pytest.fixture(scope="module")
 def demo_run(
     toy_names: list[str], tmp_path_factory: pytest.TempPathFactory
-) -> tuple[demo.DemoResult, str]:
+) -> tuple[demo_results.DemoResult, str]:
     console = _quiet()
     out = tmp_path_factory.mktemp("demo")
     result = demo.run_demo(
@@ -86,7 +86,7 @@ def bench_rows(toy_names: list[str]) -> list[dict[str, Any]]:
 # -- demo -----------------------------------------------------------------------------------
 
 
-def test_demo_runs_stock_then_each_strategy(demo_run: tuple[demo.DemoResult, str]) -> None:
+def test_demo_runs_stock_then_each_strategy(demo_run: tuple[demo_results.DemoResult, str]) -> None:
     result, _ = demo_run
     assert [r.strategy for r in result.runs] == ["stock", BROKEN, "none", CRASH, HALF]
     assert result.steps == 6 and result.device == "cpu"
@@ -97,7 +97,7 @@ def test_demo_runs_stock_then_each_strategy(demo_run: tuple[demo.DemoResult, str
 
 
 def test_demo_stock_saves_raw_and_none_trains_exactly_like_stock(
-    demo_run: tuple[demo.DemoResult, str],
+    demo_run: tuple[demo_results.DemoResult, str],
 ) -> None:
     result, _ = demo_run
     stock, none = result.stock, result.run("none")
@@ -108,7 +108,7 @@ def test_demo_stock_saves_raw_and_none_trains_exactly_like_stock(
     assert none.train_loss == stock.train_loss and none.val_loss == stock.val_loss
 
 
-def test_demo_lossy_strategy_saves_less(demo_run: tuple[demo.DemoResult, str]) -> None:
+def test_demo_lossy_strategy_saves_less(demo_run: tuple[demo_results.DemoResult, str]) -> None:
     result, _ = demo_run
     half, stock = result.run(HALF), result.stock
     assert half.error is None and half.compressed
@@ -118,7 +118,9 @@ def test_demo_lossy_strategy_saves_less(demo_run: tuple[demo.DemoResult, str]) -
     assert half.delta_val_pct is not None
 
 
-def test_demo_failures_are_reported_not_fatal(demo_run: tuple[demo.DemoResult, str]) -> None:
+def test_demo_failures_are_reported_not_fatal(
+    demo_run: tuple[demo_results.DemoResult, str],
+) -> None:
     result, text = demo_run
     broken, crash = result.run(BROKEN), result.run(CRASH)
     assert broken.error is not None and "broken on purpose" in broken.error
@@ -128,7 +130,7 @@ def test_demo_failures_are_reported_not_fatal(demo_run: tuple[demo.DemoResult, s
     assert "broken on purpose" in text and "crashed on purpose" in text
 
 
-def test_demo_writes_json_and_png(demo_run: tuple[demo.DemoResult, str]) -> None:
+def test_demo_writes_json_and_png(demo_run: tuple[demo_results.DemoResult, str]) -> None:
     result, text = demo_run
     assert result.json_path is not None
     if importlib.util.find_spec("matplotlib") is not None:  # the core alone lacks it
@@ -145,23 +147,23 @@ def test_demo_writes_json_and_png(demo_run: tuple[demo.DemoResult, str]) -> None
 
 
 def test_demo_plot_skipped_without_matplotlib(
-    demo_run: tuple[demo.DemoResult, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    demo_run: tuple[demo_results.DemoResult, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     result, _ = demo_run
     for mod in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.setitem(sys.modules, mod, None)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     console = _quiet()
-    assert demo.save_plot(result, tmp_path / "demo.png", console) is None
+    assert demo_results.save_plot(result, tmp_path / "demo.png", console) is None
     assert not (tmp_path / "demo.png").exists()
     assert "pip install torchstash[plot]" in _text(console)
 
 
 def test_demo_corpus_is_local_and_deterministic() -> None:
-    a, b = demo.load_corpus(32 << 10), demo.load_corpus(32 << 10)
+    a, b = demo_task.load_corpus(32 << 10), demo_task.load_corpus(32 << 10)
     assert torch.equal(a.train, b.train) and torch.equal(a.val, b.val)
     assert a.nbytes == 32 << 10 and len(a.train) + len(a.val) == a.nbytes
-    assert int(a.train.max()) < demo.VOCAB and int(a.train.min()) >= 0
+    assert int(a.train.max()) < demo_task.VOCAB and int(a.train.min()) >= 0
     assert "site-packages" not in a.root
 
 
@@ -205,7 +207,7 @@ def test_demo_runs_policies_and_strategy_options(toy_names: list[str], tmp_path:
 
 
 def test_bench_rows(bench_rows: list[dict[str, Any]]) -> None:
-    models = [e.name for e in torchstash.bench.zoo.zoo("tiny")]
+    models = [e.name for e in torchstash.testing.models.zoo("tiny")]
     assert [(r["model"], r["strategy"]) for r in bench_rows] == [
         (m, s) for m in models for s in ("stock", BROKEN, CRASH, HALF)
     ]
@@ -259,7 +261,7 @@ def test_a_failed_strategy_fails_the_command(
 ) -> None:
     """``bench`` and ``demo`` exit 1 when a requested strategy failed (the table still shows
     every run), 0 when every run succeeded."""
-    from torchstash.bench.commands import main as bench_main
+    from torchstash_bench.commands import main as bench_main
 
     tiny = ["--scale", "tiny", "--repeat", "1", "--json", "-"]
     assert bench_main([*tiny, "--strategies", HALF]) == 0
@@ -271,7 +273,7 @@ def test_a_failed_strategy_fails_the_command(
 
 
 def test_demo_prints_a_line_per_run_where_no_bar_can_draw(
-    demo_run: tuple[demo.DemoResult, str],
+    demo_run: tuple[demo_results.DemoResult, str],
 ) -> None:
     """Not a terminal (a log, CI, ``| tee``): one line per finished run, failures included."""
     _, text = demo_run
@@ -280,21 +282,24 @@ def test_demo_prints_a_line_per_run_where_no_bar_can_draw(
 
 
 def test_spread_marks_the_time_column_on_a_busy_machine() -> None:
-    assert demo.spread([1.0] * 10) == 0.0
-    assert demo.spread([1.0, 1.0, 1.0]) is None
+    assert demo_results.spread([1.0] * 10) == 0.0
+    assert demo_results.spread([1.0, 1.0, 1.0]) is None
     noisy = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 3.0, 0.5, 0.5]
-    assert demo.spread(noisy) is not None and demo.spread(noisy) > demo.UNRELIABLE_SPREAD
-    run = demo.RunResult("stock", True, log_every=1, tail=1)
+    assert (
+        demo_results.spread(noisy) is not None
+        and demo_results.spread(noisy) > demo_results.UNRELIABLE_SPREAD
+    )
+    run = demo_results.RunResult("stock", True, log_every=1, tail=1)
     run.step_spread = 0.9
-    result = demo.DemoResult([run], demo.DemoConfig(), 1, 0, "cpu", 1, {}, 1)
-    assert "unreliable" in (demo.times_unreliable(result) or "")
+    result = demo_results.DemoResult([run], demo_task.DemoConfig(), 1, 0, "cpu", 1, {}, 1)
+    assert "unreliable" in (demo_results.times_unreliable(result) or "")
     run.step_spread = 0.1
-    assert demo.times_unreliable(result) is None
+    assert demo_results.times_unreliable(result) is None
 
 
 def test_plot_gives_every_run_its_own_line() -> None:
     styles = {
         (s["color"], s.get("linestyle", "-"))
-        for s in (demo._line_style(i, f"s{i}") for i in range(1, 25))
+        for s in (demo_results._line_style(i, f"s{i}") for i in range(1, 25))
     }
     assert len(styles) == 24

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchstash.bench.quant_persample import COST, best_exchange, gains
+from torchstash_bench.quant_persample import COST, best_exchange, gains
 
 
 def test_equal_ranges_gain_nothing() -> None:

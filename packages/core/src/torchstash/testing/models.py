@@ -1,6 +1,7 @@
 """Small models in the shapes users train: a GPT-style stack, a ViT-style stack, a ResNet.
 
-They are the bench's zoo and the tests' subjects. Attention is written out (``q @ k.T``,
+They are the bench's zoo (``torchstash-bench``) and the tests' subjects, here so that tests
+and tools alike may import them. Attention is written out (``q @ k.T``,
 ``softmax``) as many user models do, so the op tracker is exercised; ``sdpa=True`` uses
 ``F.scaled_dot_product_attention`` instead.
 """

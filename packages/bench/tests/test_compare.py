@@ -18,11 +18,11 @@ import torch
 from rich.console import Console
 
 import torchstash
-from torchstash.bench import commands, common, compare
-from torchstash.bench.compare import CHECKPOINT, COMPILE, SAC, SAVE_ON_CPU
-from torchstash.bench.demo import DemoConfig
-from torchstash.bench.zoo import zoo
+from torchstash.testing.models import zoo
 from torchstash.testing.toys import HalfCompressor
+from torchstash_bench import commands, common, compare, compare_methods, compare_report
+from torchstash_bench.compare_methods import CHECKPOINT, COMPILE, SAC, SAVE_ON_CPU
+from torchstash_bench.demo_task import DemoConfig
 
 HALF, CRASH = "comparetest.half", "comparetest.crash"
 EXACT = (CHECKPOINT, SAC, SAVE_ON_CPU)
@@ -74,7 +74,7 @@ def half() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def result(half: str) -> compare.CompareResult:
+def result(half: str) -> compare_report.CompareResult:
     """Every model, the exact alternatives, ``none`` and a lossy toy strategy; no demo."""
     return compare.run_compare(
         scale="tiny",
@@ -86,11 +86,11 @@ def result(half: str) -> compare.CompareResult:
     )
 
 
-def _row(result: compare.CompareResult, model: str, method: str) -> dict[str, Any]:
+def _row(result: compare_report.CompareResult, model: str, method: str) -> dict[str, Any]:
     return next(r for r in result.rows if r["model"] == model and r["method"] == method)
 
 
-def test_every_row_is_sane(result: compare.CompareResult) -> None:
+def test_every_row_is_sane(result: compare_report.CompareResult) -> None:
     names = ["stock", *EXACT, "none", HALF]
     assert [r["method"] for r in result.rows] == names * 3
     assert [r["model"] for r in result.rows[:: len(names)]] == ["gpt", "vit", "resnet"]
@@ -106,14 +106,14 @@ def test_every_row_is_sane(result: compare.CompareResult) -> None:
         assert _row(result, model, HALF)["vs_stock"] < 0.75  # bf16 copies of fp32 tensors
 
 
-def test_checkpoint_saves_less_than_stock(result: compare.CompareResult) -> None:
+def test_checkpoint_saves_less_than_stock(result: compare_report.CompareResult) -> None:
     for model in ("gpt", "vit"):  # checkpoint keeps block inputs, SAC also matmul outputs
         stock, ckpt, sac = (_row(result, model, m)["saved_bytes"] for m in ("stock", *EXACT[:2]))
         assert ckpt < 0.25 * stock and ckpt < sac < stock
     assert _row(result, "resnet", CHECKPOINT)["vs_stock"] < 0.8
 
 
-def test_stock_count_is_the_tally_of_none(result: compare.CompareResult) -> None:
+def test_stock_count_is_the_tally_of_none(result: compare_report.CompareResult) -> None:
     """The hook count and torchstash's tally agree on stock: both count storages, so a saved
     view (the GPT's token batch, the ViT's class token) counts the whole storage it keeps
     alive, in both. ``none`` (the identity) is therefore exactly stock."""
@@ -123,13 +123,13 @@ def test_stock_count_is_the_tally_of_none(result: compare.CompareResult) -> None
         assert stock["saved_bytes"] == stock["tally_bytes"], model
 
 
-def test_exact_methods_give_stock_gradients(result: compare.CompareResult) -> None:
+def test_exact_methods_give_stock_gradients(result: compare_report.CompareResult) -> None:
     for model in MODELS:
         for name in EXACT:
             assert _row(result, model, name)["grad_error"] == 0.0
     # and directly, bit for bit, on the GPT and the ResNet (BatchNorm, in-place ReLU)
     for model in ("gpt", "resnet"):
-        methods = {m.name: m for m in compare.methods(list(EXACT))}
+        methods = {m.name: m for m in compare_methods.methods(list(EXACT))}
         _, ref = compare.measure_method(MODELS[model], methods["stock"], CPU, 1)
         assert ref is not None
         for name in EXACT:
@@ -165,12 +165,12 @@ def test_the_count_sees_checkpointed_block_inputs() -> None:
     model = entry.build()
     x, _ = entry.batch(entry.batch_size, CPU)
     inputs: list[torch.Tensor] = []
-    with compare.Checkpointed(model) as att:
+    with compare_methods.Checkpointed(model) as att:
         for blk in att.blocks:
             blk.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
-        counter = compare.HeldCounter(model, CPU)
+        counter = compare_methods.HeldCounter(model, CPU)
         att.forward(x, counter)
-    keys = {compare._storage_key(t) for t in inputs}
+    keys = {compare_methods._storage_key(t) for t in inputs}
     assert len(keys) == len(att.blocks) == 2 and keys <= set(counter.held)
     assert "forward" not in vars(att.blocks[0])  # removed on exit
 
@@ -181,14 +181,14 @@ def test_sac_counts_its_cache() -> None:
     torch.manual_seed(0)
     model = entry.build()
     x, _ = entry.batch(entry.batch_size, CPU)
-    with compare.Checkpointed(model, selective=True) as att:
-        counter = compare.HeldCounter(model, CPU)
+    with compare_methods.Checkpointed(model, selective=True) as att:
+        counter = compare_methods.HeldCounter(model, CPU)
         att.forward(x, counter)
         caches = list(att.caches)
-    cached = [t for mode in caches for t in compare._cached_tensors(mode.storage)]
+    cached = [t for mode in caches for t in compare_methods._cached_tensors(mode.storage)]
     # per block: qkv, q@k, att@v, proj, mlp.0 and mlp.2 outputs
     assert len(caches) == 2 and len(cached) == 12
-    assert {compare._storage_key(t) for t in cached} <= set(counter.held)
+    assert {compare_methods._storage_key(t) for t in cached} <= set(counter.held)
 
 
 def test_a_failing_method_gives_a_row_with_the_reason(
@@ -210,18 +210,18 @@ def test_a_failing_method_gives_a_row_with_the_reason(
     demo = {d["method"]: d for d in out.demo}
     assert demo[COMPILE]["error"] and demo[COMPILE]["train_loss"] is None
     assert demo[CHECKPOINT]["error"] is None
-    notes = compare.compare_notes(out)
+    notes = compare_report.compare_notes(out)
     assert "compile-budget (gpt, demo): failed: RuntimeError: no C++ compiler here" in notes
-    console.print(compare.compare_table(out))
+    console.print(compare_report.compare_table(out))
     assert "failed" in console.file.getvalue()  # type: ignore[attr-defined]
-    assert "| compile-budget | failed | - | failed | - |" in compare.markdown_table(out)
+    assert "| compile-budget | failed | - | failed | - |" in compare_report.markdown_table(out)
 
 
 def test_a_failure_while_timed_ends_that_trial_only(crash: str) -> None:
     entry = MODELS["gpt"]
     _Crash.armed = False
-    trial = compare.Trial(entry, compare.methods([crash])[1], CPU)
-    stock = compare.Trial(entry, compare.methods([])[0], CPU)
+    trial = compare.Trial(entry, compare_methods.methods([crash])[1], CPU)
+    stock = compare.Trial(entry, compare_methods.methods([])[0], CPU)
     assert trial.alive and trial.row["error"] is None and trial.row["saved_bytes"]
     _Crash.armed = True
     for t in (trial, stock):
@@ -253,13 +253,13 @@ def test_demo_trains_exact_methods_like_stock() -> None:
 
 def test_pareto_front() -> None:
     points = [(1.0, 10.0), (1.5, 4.0), (1.2, 12.0), (2.0, 5.0), (3.0, 1.0), (1.5, 6.0)]
-    assert compare.pareto_front(points) == [(1.0, 10.0), (1.5, 4.0), (3.0, 1.0)]
-    assert compare.pareto_front([]) == []
+    assert compare_report.pareto_front(points) == [(1.0, 10.0), (1.5, 4.0), (3.0, 1.0)]
+    assert compare_report.pareto_front([]) == []
 
 
-def test_plot_is_written(result: compare.CompareResult, tmp_path: Path) -> None:
+def test_plot_is_written(result: compare_report.CompareResult, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    path = compare.save_plot(result, tmp_path / "sub" / "compare.png")
+    path = compare_report.save_plot(result, tmp_path / "sub" / "compare.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -277,7 +277,7 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     text = capsys.readouterr().out
     assert "torchstash bench --compare" in text
     assert json.loads(path.read_text())["repeat"] == 5
-    table = compare.markdown_table(compare.from_json(path))
+    table = compare_report.markdown_table(compare.from_json(path))
     assert table.splitlines()[0] == "| method | vit saved MB | vit time |"
     assert plot.exists() == (importlib.util.find_spec("matplotlib") is not None)
     if not plot.exists():
@@ -290,8 +290,9 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_importing_compare_loads_no_plugin_and_no_matplotlib() -> None:
     code = (
-        "import sys, torchstash.bench.compare; "
-        "print([m for m in sys.modules if m.startswith(('torchstash_', 'matplotlib'))])"
+        "import sys, torchstash_bench.compare; "
+        "print([m for m in sys.modules if m.startswith(('torchstash_', 'matplotlib')) "
+        "and not m.startswith('torchstash_bench')])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -302,8 +303,8 @@ def test_the_count_sees_the_compiled_graphs_saves() -> None:
     """torch.compile's saved tensors pass through the same hook; the budget makes it keep
     about half of what the unbudgeted graph keeps (slow: inductor compiles C++)."""
     entry = MODELS["gpt"]
-    method = compare.methods([COMPILE])[1]
+    method = compare_methods.methods([COMPILE])[1]
     row, grads = compare.measure_method(entry, method, CPU, 1)
-    stock, _ = compare.measure_method(entry, compare.methods([])[0], CPU, 1)
+    stock, _ = compare.measure_method(entry, compare_methods.methods([])[0], CPU, 1)
     assert row["error"] is None and grads is not None
     assert 0.3 < row["saved_bytes"] / stock["saved_bytes"] < 0.7

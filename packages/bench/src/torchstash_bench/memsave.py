@@ -1,4 +1,4 @@
-"""``python -m torchstash.bench.memsave``: the figures in the package README, measured.
+"""``python -m torchstash_bench.memsave``: the figures in the package README, measured.
 
 Models: memsave_torch's measured block (``block``) and the bench zoo. For each model and
 fine-tuning pattern, one training step stock and one under ``memsave``
@@ -32,8 +32,7 @@ from rich.table import Table
 from torch import nn
 
 import torchstash as ts
-
-from .zoo import ZooEntry, zoo
+from torchstash.testing.models import ZooEntry, zoo
 
 PATTERNS = ("all", "input", "last", "norms", "bn-eval", "conv-bn-eval", "input-bn-eval")
 NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
@@ -197,7 +196,7 @@ def table(rows: list[dict[str, Any]], scale: str) -> Table:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torchstash.bench.memsave")
+    parser = argparse.ArgumentParser(prog="python -m torchstash_bench.memsave")
     parser.add_argument("--scale", default="small", choices=["tiny", "small", "base"])
     parser.add_argument("--patterns", default=",".join(PATTERNS))
     parser.add_argument("--models", default="block,resnet,vit,gpt")

@@ -1,4 +1,4 @@
-"""``python -m torchstash.bench.quant_persample``: what widths chosen per sample would gain.
+"""``python -m torchstash_bench.quant_persample``: what widths chosen per sample would gain.
 
 ActNN's L3 gives each sample of a tensor its own width, from the sample's range. With
 stochastic rounding a sample's error is about ``R**2 * c(b)`` (``R`` its range, ``c`` the
@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from .zoo import zoo
+from torchstash.testing.models import zoo
 
 #: Error factor per width, relative to ``R**2`` (1 bit: the levels are the group's ends).
 COST = {1: 1.3, 2: 1 / 9, 4: 1 / 225, 8: 1 / 65025}
@@ -81,7 +81,7 @@ def gains(scale: str = "small", widths: Sequence[int] = (2, 4)) -> list[dict[str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torchstash.bench.quant_persample")
+    parser = argparse.ArgumentParser(prog="python -m torchstash_bench.quant_persample")
     parser.add_argument("--scale", default="small", choices=["tiny", "small", "base"])
     args = parser.parse_args(argv)
     t = Table(title="per-sample widths: estimated error over one width per tensor (1 = no gain)")

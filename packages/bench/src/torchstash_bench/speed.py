@@ -1,4 +1,4 @@
-"""``python -m torchstash.bench.speed``: what a training step costs under each strategy.
+"""``python -m torchstash_bench.speed``: what a training step costs under each strategy.
 
 Three models none of the tests use, each where a different cost shows: a host-bound MLP
 (64 small linears: the engine's Python per saved tensor is most of the step), a small CNN
@@ -37,9 +37,10 @@ from rich.markup import escape
 from rich.table import Table
 from torch import Tensor, nn
 
+from torchstash.testing.models import ZooEntry, zoo
+
 from .common import default_device, fmt, jsonable, num_threads, split_names
-from .compare import CHECKPOINT, Attached, HeldCounter, Method, methods
-from .zoo import ZooEntry, zoo
+from .compare_methods import CHECKPOINT, Attached, HeldCounter, Method, methods
 
 #: what the table measures by default: nothing compressed, the rewrites, the codes, and the
 #: per-block checkpointing every strategy must beat
@@ -370,7 +371,7 @@ def speed_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m torchstash.bench.speed",
+        prog="python -m torchstash_bench.speed",
         description="Step time of each strategy over stock's, and the engine's microseconds "
         "per saved tensor, on three models (methods take turns in one process).",
     )

@@ -4,7 +4,7 @@ Hugging Face transformers (GPT-2, BERT, ViT, Llama), timm (DeiT, ResNet-10t, Con
 EfficientNet-B0) and torchvision (ResNet-18, MobileNetV3-small, ViT-B/16), built from their
 configs with random weights (nothing is downloaded) at small sizes, each skipped with the
 reason where its library is missing. ``tests/ecosystem`` trains every strategy on them;
-``python -m torchstash.bench.ecosystem`` prints the table the README quotes:
+``python -m torchstash_bench.ecosystem`` prints the table the README quotes:
 
 - **raw / stored MB**: what stock saves for backward in one step and what the strategy
   stores, by the exact accounting of :func:`torchstash.measure` (parameters not counted);
@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..api import apply
+from torchstash.api import apply
+
 from .common import MB, STOCK, error_text, split_names, strategy_names
 
 VOCAB = 128
@@ -290,7 +291,7 @@ def _table(rows: list[dict[str, Any]]) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m torchstash.bench.ecosystem", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m torchstash_bench.ecosystem", description=__doc__)
     p.add_argument("--models", type=split_names, default=None, help="default: all")
     p.add_argument("--strategies", type=split_names, default=None, help="default: all installed")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default: 1)")

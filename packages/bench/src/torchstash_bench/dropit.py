@@ -1,4 +1,4 @@
-"""``python -m torchstash.bench.dropit``: the figures in the package README, measured.
+"""``python -m torchstash_bench.dropit``: the figures in the package README, measured.
 
 ``error``: the weight-gradient relative error ``|G - G_stock| / |G_stock|`` of every linear
 layer of the demo's GPT (the same model, corpus and optimizer as ``torchstash demo``), trained
@@ -36,10 +36,11 @@ from torch import nn
 import torchstash as ts
 from torchstash.errors import PolicyError
 from torchstash.policy import parse_spec
+from torchstash.testing.models import ZooEntry, zoo
 from torchstash_dropit import FILLS, SCOPES
 
-from .demo import DemoConfig, build_model, lm_loss, load_corpus, train_starts, windows
-from .zoo import ZooEntry, zoo
+from .demo import build_model, lm_loss
+from .demo_task import DemoConfig, load_corpus, train_starts, windows
 
 GAMMAS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
 #: The demo GPT's linear layers, by role (qualified-name globs).
@@ -284,7 +285,7 @@ def demo(steps: int = 300, seed: int = 0, out: str = "demo-out/dropit") -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torchstash.bench.dropit")
+    parser = argparse.ArgumentParser(prog="python -m torchstash_bench.dropit")
     sub = parser.add_subparsers(dest="what", required=True)
     err = sub.add_parser("error", help="weight-gradient error against gamma on the demo GPT")
     err.add_argument("--steps", type=int, default=300, help="stock steps first (default 300)")

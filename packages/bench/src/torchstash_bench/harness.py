@@ -20,7 +20,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..measure import Report, measure, time_steps
+from torchstash.measure import Report, measure, time_steps
+from torchstash.testing.models import ZooEntry, zoo
+
 from .common import (
     MB,
     STOCK,
@@ -36,7 +38,6 @@ from .common import (
     strategy_names,
     top_reason,
 )
-from .zoo import ZooEntry, zoo
 
 SCALES = ("tiny", "small", "base")
 SEED = 0

@@ -1,4 +1,4 @@
-"""``python -m torchstash.bench.quant``: the quant strategies on the bench zoo, measured.
+"""``python -m torchstash_bench.quant``: the quant strategies on the bench zoo, measured.
 
 For each zoo model and strategy: saved bytes against stock fp32 and against a bf16-autocast
 stock step (exact accounting through ``torchstash.measure``), and the cosine similarity of
@@ -21,8 +21,7 @@ from rich.table import Table
 import torchstash as ts
 from torchstash.errors import PolicyError
 from torchstash.policy import parse_spec
-
-from .zoo import ZooEntry, zoo
+from torchstash.testing.models import ZooEntry, zoo
 
 STRATEGIES = (
     "quant.int8",
@@ -97,7 +96,7 @@ def table(rows: list[dict[str, Any]], scale: str) -> Table:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torchstash.bench.quant")
+    parser = argparse.ArgumentParser(prog="python -m torchstash_bench.quant")
     parser.add_argument("--scale", default="small", choices=["tiny", "small", "base"])
     parser.add_argument(
         "--strategies",

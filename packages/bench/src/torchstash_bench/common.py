@@ -20,7 +20,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from ..api import strategies as installed_strategies
+from torchstash.api import strategies as installed_strategies
 
 MB = 1 << 20
 STOCK = "stock"
