@@ -42,3 +42,18 @@ def test_the_library_imports_without_its_tools() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_no_contract_lets_indirect_imports_through() -> None:
+    """A forbidden contract that allows indirect imports passes a plug-in reaching the engine
+    through any public module that re-exports it: every such contract checks the chains, with
+    the public facade's own edges into the engine named one by one."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    forbidden = [c for c in config["contracts"] if c["type"] == "forbidden"]
+    assert forbidden
+    for contract in forbidden:
+        assert contract.get("allow_indirect_imports", False) is False, contract["name"]
+        for ignored in contract.get("ignore_imports", []):
+            assert "*" not in ignored, (contract["name"], ignored)  # edges, not patterns

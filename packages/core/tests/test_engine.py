@@ -550,7 +550,7 @@ class _Square(torch.autograd.Function):
 
 
 def test_as_op_names_a_custom_functions_saves(recorder: Recorder) -> None:
-    from torchstash.optrack import as_op
+    from torchstash.opmark import as_op
 
     x = torch.randn(64, 64, requires_grad=True)
     with ts.stash("test.recorder", min_bytes=0):

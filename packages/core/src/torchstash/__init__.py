@@ -14,7 +14,7 @@ from ._version import __version__
 from .api import Handle, apply, handle_of, remove, stash, strategies
 from .compressor import BaseCompressor, Composed, Compressor
 from .measure import ModuleRow, Report, measure
-from .optrack import as_op, engine_active, untracked
+from .opmark import as_op, engine_active, untracked
 from .packed import Packed
 from .plan import Rewriter, Swapped
 from .policy import Policy, Rule

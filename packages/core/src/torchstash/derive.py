@@ -35,7 +35,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .optrack import AUTOCAST_DEVICES, AutocastState, autocast_state
+from .opmark import AUTOCAST_DEVICES, AutocastState
+from .optrack import autocast_state
 from .site import position
 
 #: Fused attention: it saves its own output (for backward), which the projection after it

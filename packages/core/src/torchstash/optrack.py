@@ -14,67 +14,23 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode, _pop_mode_temporarily
-from torch.overrides import _get_current_function_mode as _current_function_mode
+from torch.overrides import TorchFunctionMode
 
 from .casts import cast_of
-from .packed import storage_base
-
-# Raw function names that share one canonical op name.
-_CANONICAL = {
-    "mm": "matmul",
-    "bmm": "matmul",
-    "matmul": "matmul",
-    "baddbmm": "matmul",
-    "einsum": "matmul",
-    "conv1d": "conv",
-    "conv2d": "conv",
-    "conv3d": "conv",
-    "conv_transpose1d": "conv",
-    "conv_transpose2d": "conv",
-    "conv_transpose3d": "conv",
-    "addmm": "linear",
-    "softmax": "softmax",
-    "log_softmax": "softmax",
-    "_softmax": "softmax",
-    "batch_norm": "batch_norm",
-    "sdpa": "scaled_dot_product_attention",
-}
-
-#: Canonical op names policies commonly select (others: any torch function's name).
-KNOWN_OPS = frozenset(
-    {
-        "linear",
-        "matmul",
-        "conv",
-        "softmax",
-        "gelu",
-        "silu",
-        "hardswish",
-        "relu",
-        "layer_norm",
-        "group_norm",
-        "rms_norm",
-        "batch_norm",
-        "dropout",
-        "embedding",
-        "scaled_dot_product_attention",
-        "max_pool",
-        "avg_pool",
-        "mul",
-        "add",
-        "tanh",
-        "sigmoid",
-    }
+from .opmark import (
+    STATE,
+    AutocastState,
+    OpState,
+    Watcher,
+    autocast_now,
 )
-
-_names: dict[Any, tuple[str, str]] = {}
+from .opnames import op_names
+from .packed import storage_base
 
 #: Python composites whose inner ops the tracker reports (the projections of
 #: ``nn.MultiheadAttention``, its softmax and matmuls); see :func:`opened`.
@@ -116,90 +72,19 @@ def opened(func: Callable[..., Any]) -> Callable[..., Any] | None:
     return copy
 
 
-def op_names(func: Callable[..., Any]) -> tuple[str, str]:
-    """(canonical, raw) names of a torch function, cached per function object."""
-    hit = _names.get(func)
-    if hit is None:
-        raw = getattr(func, "__name__", None) or type(func).__name__
-        base = raw.strip("_")
-        if base.startswith("r") and raw.startswith("__r"):
-            base = base[1:]  # __rmatmul__ -> matmul
-        base = base.removesuffix("_")  # in-place variants (relu_) share the op
-        for pool in ("max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool"):
-            if base.startswith(pool):
-                base = pool.removeprefix("adaptive_")
-        hit = (_CANONICAL.get(base, base), raw)
-        _names[func] = hit
-    return hit
-
-
-def is_known_op(name: str) -> bool:
-    """True for a canonical op name or the name of a function torch exposes."""
-    if name in KNOWN_OPS or name in _CANONICAL:
-        return True
-    return any(
-        hasattr(ns, name) or hasattr(ns, f"__{name}__")
-        for ns in (torch, torch.Tensor, torch.nn.functional)
-    )
-
-
-#: ``callback(func, args, kwargs, result)``, told of a watched call's result
-Watcher = Callable[[Callable[..., Any], Sequence[Any], dict[str, Any], Any], None]
-
-
-#: Device types whose autocast state the tracker notes (for ops replayed in backward).
-AUTOCAST_DEVICES = ("cpu", "cuda")
-
-#: The autocast state an op ran under: (device type, dtype) for each device where it was on.
-AutocastState = tuple[tuple[str, torch.dtype], ...]
-
-_any_autocast: Callable[[], bool] | None = getattr(torch._C, "_is_any_autocast_enabled", None)
-
-
-def _autocast_now() -> AutocastState:
-    if _any_autocast is not None and not _any_autocast():
-        return ()
-    return tuple(
-        (device, torch.get_autocast_dtype(device))
-        for device in AUTOCAST_DEVICES
-        if torch.is_autocast_enabled(device)
-    )
-
-
 def autocast_state() -> AutocastState:
     """Where autocast is on, and at which dtype, for the torch call running now (as the
     tracker saw it when the call began: inside the op's kernel, where pack hooks run,
     autocast reads as off, its dispatch having switched itself off for the op's body)."""
     state = STATE
-    return state.autocast if state.op else _autocast_now()
-
-
-class OpState(threading.local):
-    """The op running on this thread (empty outside any torch call)."""
-
-    def __init__(self) -> None:
-        self.op = ""
-        self.raw = ""
-        #: the torch function running (None under :func:`as_op`)
-        self.func: Callable[..., Any] | None = None
-        self.args: Sequence[Any] = ()
-        self.kwargs: dict[str, Any] = {}
-        #: autocast as the running call found it (see :func:`autocast_state`)
-        self.autocast: AutocastState = ()
-        self.depth = 0  # trackers active on this thread
-        self.engines = 0  # engines active on this thread (recording or replaying)
-        self.call_id = 0  # increments at every tracked call
-        #: (call id, callback) pairs waiting for that call's result; see :func:`on_result`
-        self.waiting: list[tuple[int, Callable[[Any], None]]] = []
-        #: (raw names, callback) pairs told of every such call's result; see :func:`watching`
-        self.watchers: list[tuple[frozenset[str], Watcher]] = []
-
-
-STATE = OpState()
+    return state.autocast if state.op else autocast_now()
 
 
 class OpTracker(TorchFunctionMode):
     """Records the outermost torch call running, for the pack hook to read."""
+
+    #: what :func:`~torchstash.opmark.untracked` looks for on the mode stack
+    tracks_ops = True
 
     def __torch_function__(
         self,
@@ -215,7 +100,7 @@ class OpTracker(TorchFunctionMode):
         prev = (state.op, state.raw, state.func, state.args, state.kwargs, state.autocast)
         state.op, state.raw = op_names(func)
         state.func, state.args, state.kwargs = func, args, kwargs
-        state.autocast = _autocast_now()
+        state.autocast = autocast_now()
         state.call_id += 1
         call_id = state.call_id
         inner = opened(func) if func in OPENED_COMPOSITES else None
@@ -275,54 +160,6 @@ def _deliver(state: OpState, call_id: int, result: Any) -> None:
     state.waiting = [(cid, cb) for cid, cb in state.waiting if cid > call_id]
     for callback in due:
         callback(result)
-
-
-@contextlib.contextmanager
-def as_op(
-    op: str,
-    args: Sequence[Any] = (),
-    kwargs: dict[str, Any] | None = None,
-    *,
-    func: str | None = None,
-) -> Iterator[None]:
-    """Name the op running inside the block, for what a custom ``autograd.Function`` saves.
-
-    The tracker sees torch calls, not a Function's ``apply``; a plug-in's Function (memsave's
-    conv) wraps its ``apply`` in ``as_op("conv", (x, weight, bias))`` so its saves get the
-    site a stock conv's would (op, role), and a policy can still select and compress them.
-    ``func`` is the raw name sites report (default ``op``); a plug-in's own op is named
-    ``<prefix>.<name>`` (``memsave.relu``), and may have a code of its own for what it saves,
-    registered as a policy default (:meth:`~torchstash.registry.Registry.register_op_default`).
-    """
-    state = STATE
-    prev = (state.op, state.raw, state.func, state.args, state.kwargs, state.autocast)
-    state.op, state.raw, state.func = op, func or op, None
-    state.args, state.kwargs, state.autocast = args, kwargs or {}, _autocast_now()
-    state.call_id += 1
-    try:
-        yield
-    finally:
-        state.op, state.raw, state.func, state.args, state.kwargs, state.autocast = prev
-
-
-def engine_active() -> bool:
-    """True while a torchstash engine takes the saves on this thread: recording them (its
-    tracker on) or replaying a recorded forward (no tracker)."""
-    return STATE.engines > 0
-
-
-_UNTOUCHED = contextlib.nullcontext()
-
-
-def untracked() -> contextlib.AbstractContextManager[Any]:
-    """The op tracker off the mode stack for the block, where it is the innermost mode: for a
-    plug-in's ``autograd.Function`` call, named with :func:`as_op`. A stock op passes through
-    the tracker once and runs its body with the mode popped; a Function's forward and the
-    pack hooks it triggers would otherwise send each tensor method they call (``numel``,
-    ``stride``...) through the tracker's Python handler, a microsecond each for nothing."""
-    if STATE.depth and isinstance(_current_function_mode(), OpTracker):
-        return _pop_mode_temporarily()
-    return _UNTOUCHED
 
 
 def op_argument(name: str, position: int, default: Any = None) -> Any:

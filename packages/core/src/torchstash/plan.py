@@ -152,7 +152,7 @@ class Plan:
 
     def check_types(self, type_names: set[str]) -> None:
         """Every ``type``/``tag`` selector must name a known tag or a class in the model."""
-        from .optrack import is_known_op
+        from .opnames import is_known_op
         from .tags import KNOWN_TAGS
 
         for rule in self.policy.rules:

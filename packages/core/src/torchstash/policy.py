@@ -28,7 +28,7 @@ from typing import Any
 
 from . import tags
 from .errors import PolicyError
-from .optrack import is_known_op
+from .opnames import is_known_op
 from .site import Site
 from .tomlheaders import header_lines
 

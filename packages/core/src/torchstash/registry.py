@@ -100,7 +100,7 @@ class OpDefault:
     """A plug-in op's own code for what it saves (memsave's ReLU: a 1-bit mask of its output).
 
     The op names itself ``<prefix>.<name>`` in its sites (``Site.func``, set with
-    :func:`torchstash.as_op`), so its plug-in loads when such a save is met. The default is
+    :func:`torchstash.opmark.as_op`), so its plug-in loads when such a save is met. The default is
     a policy default: it applies under every policy, unless a rule names the op itself
     (``op = "memsave.relu"``), which then decides (``strategy = "none"`` keeps stock's save).
     """

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from torchstash import as_op, engine_active
+from torchstash.opmark import as_op, engine_active
 
 from . import functional as MF
 from .functional.conv import conv_spares_nothing

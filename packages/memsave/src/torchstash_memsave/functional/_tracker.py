@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from torchstash import untracked
+from torchstash.opmark import untracked
 
 __all__ = ["apply", "untracked"]
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from torchstash import as_op, engine_active
+from torchstash.opmark import as_op, engine_active
 from torchstash.signs import SignBits, sign_bits, sign_gradient
 
 from ._standin import as_uint8, check_inplace, needs_graph, pack_keep_mask, unpack_keep_mask

@@ -1,0 +1,90 @@
+"""The names ops go by: a torch function's canonical name (what a policy's ``op =`` selects:
+``conv`` for every ``conv*d``, ``matmul`` for ``mm``, ``bmm``, ``@``...) and its raw name, and
+the names a policy commonly selects. Read by the tracker and by policies alike; imports
+nothing of the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["KNOWN_OPS", "is_known_op", "op_names"]
+
+# Raw function names that share one canonical op name.
+_CANONICAL = {
+    "mm": "matmul",
+    "bmm": "matmul",
+    "matmul": "matmul",
+    "baddbmm": "matmul",
+    "einsum": "matmul",
+    "conv1d": "conv",
+    "conv2d": "conv",
+    "conv3d": "conv",
+    "conv_transpose1d": "conv",
+    "conv_transpose2d": "conv",
+    "conv_transpose3d": "conv",
+    "addmm": "linear",
+    "softmax": "softmax",
+    "log_softmax": "softmax",
+    "_softmax": "softmax",
+    "batch_norm": "batch_norm",
+    "sdpa": "scaled_dot_product_attention",
+}
+
+#: Canonical op names policies commonly select (others: any torch function's name).
+KNOWN_OPS = frozenset(
+    {
+        "linear",
+        "matmul",
+        "conv",
+        "softmax",
+        "gelu",
+        "silu",
+        "hardswish",
+        "relu",
+        "layer_norm",
+        "group_norm",
+        "rms_norm",
+        "batch_norm",
+        "dropout",
+        "embedding",
+        "scaled_dot_product_attention",
+        "max_pool",
+        "avg_pool",
+        "mul",
+        "add",
+        "tanh",
+        "sigmoid",
+    }
+)
+
+_names: dict[Any, tuple[str, str]] = {}
+
+
+def op_names(func: Callable[..., Any]) -> tuple[str, str]:
+    """(canonical, raw) names of a torch function, cached per function object."""
+    hit = _names.get(func)
+    if hit is None:
+        raw = getattr(func, "__name__", None) or type(func).__name__
+        base = raw.strip("_")
+        if base.startswith("r") and raw.startswith("__r"):
+            base = base[1:]  # __rmatmul__ -> matmul
+        base = base.removesuffix("_")  # in-place variants (relu_) share the op
+        for pool in ("max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool"):
+            if base.startswith(pool):
+                base = pool.removeprefix("adaptive_")
+        hit = (_CANONICAL.get(base, base), raw)
+        _names[func] = hit
+    return hit
+
+
+def is_known_op(name: str) -> bool:
+    """True for a canonical op name or the name of a function torch exposes."""
+    if name in KNOWN_OPS or name in _CANONICAL:
+        return True
+    return any(
+        hasattr(ns, name) or hasattr(ns, f"__{name}__")
+        for ns in (torch, torch.Tensor, torch.nn.functional)
+    )
