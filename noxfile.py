@@ -36,7 +36,9 @@ PLUGINS = sorted(
 )
 TEST_DEPS = ["pytest>=8", "numpy", "hypothesis>=6", "import-linter>=2.1"]
 #: the floors packages/core/pyproject.toml declares, installed exactly by the floors session
-FLOORS = {"torch": "2.13.0", "rich": "13.3.0", "ninja": "1.11.1", "numpy": "1.26.0"}
+FLOORS = {
+    "torch": "2.13.0", "rich": "13.3.0", "ninja": "1.11.1", "numpy": "1.26.0", "filelock": "3.13.1",
+}  # fmt: skip
 SRC_DIRS = ["packages/core/src", *(f"packages/{p}/src" for p in PLUGINS)]
 
 

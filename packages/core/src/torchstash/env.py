@@ -16,8 +16,6 @@ CSRC_DIR = "TORCHSTASH_CSRC_DIR"
 #: Seconds to wait for another process's kernel build (its lock) before using the
 #: pure-PyTorch reference (default 600).
 KERNEL_LOCK_WAIT = "TORCHSTASH_KERNEL_LOCK_WAIT"
-#: Age in seconds past which a kernel-build lock is broken whoever holds it (default 3600).
-KERNEL_LOCK_STALE = "TORCHSTASH_KERNEL_LOCK_STALE"
 
 
 def get(name: str, default: str = "") -> str:

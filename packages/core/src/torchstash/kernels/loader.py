@@ -9,17 +9,14 @@ process, ``off`` never builds, ``require`` raises :class:`~torchstash.errors.Ker
 and forgets the failure (the next call tries again). An exception anywhere in the build
 (not only the compiler's) counts as a failed build.
 
-A build holds ``torchstash.lock`` in its build directory (JSON naming the owner: pid, host,
-start time), so processes sharing a cache build once. Another process needing the same
-build waits, with one log record (logger ``torchstash.kernels.loader``, level WARNING)
-naming the lock and the pid, for at most ``TORCHSTASH_KERNEL_LOCK_WAIT`` seconds (default
-:data:`LOCK_WAIT_SECONDS`); then its build counts as failed, the reason saying which file to
-delete if no build is running. A lock is stale, and broken, when its owner is gone (on the
-same machine: the pid is no longer running, or is now another process) or when it is older
-than ``TORCHSTASH_KERNEL_LOCK_STALE`` seconds (default :data:`LOCK_STALE_SECONDS`, longer than
-any build), whichever host holds it. ``cpp_extension.load``'s own ``lock``, an empty file it
-polls forever, is removed while holding ours: only an interrupted build (SIGKILL, SIGTERM,
-the out-of-memory killer) leaves one behind.
+A build holds an OS file lock in its build directory (:mod:`.buildlock`), so processes
+sharing a cache build once, and a killed build releases it with its process. Another process
+needing the same build waits, with one log record (logger ``torchstash.kernels.loader``,
+level WARNING) naming the lock and the builder's pid, for at most
+``TORCHSTASH_KERNEL_LOCK_WAIT`` seconds (default :data:`LOCK_WAIT_SECONDS`); then its build
+counts as failed. ``cpp_extension.load``'s own ``lock``, an empty file it polls forever, is
+removed while holding ours: only an interrupted build (SIGKILL, SIGTERM, the out-of-memory
+killer) leaves one behind.
 Nothing here prints or touches ``os.environ``, except that one log record while waiting;
 ``status()`` is for ``torchstash doctor``.
 """
@@ -27,13 +24,11 @@ Nothing here prints or touches ``os.environ``, except that one log record while 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os
 import shlex
 import shutil
-import socket
 import sys
 import threading
 import time
@@ -47,25 +42,19 @@ import torch
 from torchstash import env
 from torchstash.errors import KernelUnavailable
 
+from .buildlock import build_lock
+
 __all__ = ["MODES", "available", "cached", "load", "mode", "require", "status"]
 
 MODES = ("auto", "off", "require")
 NAME = "torchstash_kernels"
 #: Bump when the build recipe below changes in a way the digest would not see.
-#: 2: builds hold LOCK_NAME (a torchstash without it never shares a build directory).
-RECIPE = "2"
-#: The lock a build holds in its build directory, with its owner (JSON).
-LOCK_NAME = "torchstash.lock"
+#: 2: builds hold a lock (a torchstash without it never shares a build directory).
+#: 3: the lock is an OS file lock (buildlock), which the JSON lock of 2 would not see.
+RECIPE = "3"
 #: Seconds to wait on another process's build before using the reference
 #: (``TORCHSTASH_KERNEL_LOCK_WAIT``).
 LOCK_WAIT_SECONDS = 600.0
-#: A lock older than this many seconds is stale whoever holds it: no build takes that long
-#: (``TORCHSTASH_KERNEL_LOCK_STALE``).
-LOCK_STALE_SECONDS = 3600.0
-#: A lock without a readable owner (its writer was killed between creating and writing it)
-#: is stale after this many seconds.
-_UNREADABLE_GRACE_SECONDS = 10.0
-_POLL_SECONDS = 0.5
 #: What cpp_extension.load's FileBaton creates in the build directory and polls forever.
 _BATON_NAME = "lock"
 _log = logging.getLogger(__name__)
@@ -239,209 +228,21 @@ def _guards(csrc_reason: str | None) -> list[str]:
     return reasons
 
 
-# -- the build lock ---------------------------------------------------------------------------
-
-
-def _seconds(name: str, default: float) -> float:
-    raw = env.get(name)
+def _lock_wait() -> float:
+    """Seconds to wait on another process's build (``TORCHSTASH_KERNEL_LOCK_WAIT``)."""
+    raw = env.get(env.KERNEL_LOCK_WAIT)
     if not raw:
-        return default
+        return LOCK_WAIT_SECONDS
     try:
         value = float(raw)
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(
-            f"{name}={raw!r} is not a number of seconds (>= 0); unset it for the default"
+            f"{env.KERNEL_LOCK_WAIT}={raw!r} is not a number of seconds (>= 0); unset it for "
+            "the default"
         )
     return value
-
-
-def _lock_limits() -> tuple[float, float]:
-    """(seconds to wait on another process's build, age in seconds past which a lock is stale)."""
-    return (
-        _seconds(env.KERNEL_LOCK_WAIT, LOCK_WAIT_SECONDS),
-        _seconds(env.KERNEL_LOCK_STALE, LOCK_STALE_SECONDS),
-    )
-
-
-def _read_text(path: str) -> str | None:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return None
-
-
-def _machine() -> dict[str, str | None]:
-    """What must match for a lock's pid to be one of ours: host, boot and pid namespace."""
-    try:
-        pidns: str | None = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        pidns = None
-    return {
-        "host": socket.gethostname(),
-        "boot": _read_text("/proc/sys/kernel/random/boot_id"),
-        "pidns": pidns,
-    }
-
-
-def _process(pid: int) -> tuple[str, str] | None:
-    """(state, start time in clock ticks after boot) of a running pid, from /proc; else None."""
-    stat = _read_text(f"/proc/{pid}/stat")
-    if stat is None or ")" not in stat:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()  # fields 3.. of proc_pid_stat(5)
-    return (fields[0], fields[19]) if len(fields) > 19 else None
-
-
-def _owner_record(pid: int) -> dict[str, Any]:
-    """What a lock says about its owner ``pid`` (a process of this machine)."""
-    proc = _process(pid)
-    return {
-        "pid": pid,
-        **_machine(),
-        "process_start": None if proc is None else proc[1],
-        "started": time.time(),
-    }
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: another user's process
-        return True
-    proc = _process(pid)
-    return proc is None or proc[0] not in ("Z", "X")  # a zombie has exited
-
-
-def _owner_gone(owner: dict[str, Any]) -> str | None:
-    """Why the lock's owner is certainly not building any more; None when it may be."""
-    here = _machine()
-    pid, host = owner["pid"], here["host"]
-    if owner.get("host") != host:
-        return None  # another machine: only the lock's age can tell
-    if owner.get("boot") and here["boot"] and owner["boot"] != here["boot"]:
-        return f"{host} has restarted since pid {pid} took it"
-    if owner.get("pidns") != here["pidns"]:
-        return None  # another container of this host: its pids are not ours to see
-    if pid == os.getpid():
-        return f"its owner, pid {pid}, is this process, which was not building"
-    if not _running(pid):
-        return f"its owner, pid {pid} on {host}, is no longer running"
-    proc = _process(pid)
-    if owner.get("process_start") and proc is not None and proc[1] != owner["process_start"]:
-        return f"pid {pid} on {host} is now another process"
-    return None
-
-
-def _inspect(path: Path) -> tuple[bytes, float, dict[str, Any] | None] | None:
-    """(content, age in seconds, owner or None if unreadable) of a lock; None if there is none."""
-    try:
-        age = time.time() - path.stat().st_mtime
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    try:
-        owner = json.loads(raw)
-    except ValueError:
-        return raw, age, None
-    valid = isinstance(owner, dict) and type(owner.get("pid")) is int and owner["pid"] > 0
-    return raw, age, owner if valid else None
-
-
-def _stale(owner: dict[str, Any] | None, age: float, stale_after: float) -> str | None:
-    """Why a lock may be broken; None while its owner may still be building."""
-    if age > stale_after:
-        return (
-            f"it is {age:.0f}s old, older than any build ({env.KERNEL_LOCK_STALE}={stale_after:g})"
-        )
-    if owner is None:
-        # its writer was killed between creating and writing it, or it is not ours
-        return (
-            f"it names no owner and is {age:.0f}s old" if age > _UNREADABLE_GRACE_SECONDS else None
-        )
-    return _owner_gone(owner)
-
-
-def _take(path: Path) -> bytes | None:
-    """Creates the lock with this process as its owner; None when it exists already."""
-    record = json.dumps(_owner_record(os.getpid())).encode()
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return None
-    try:
-        os.write(fd, record)
-    finally:
-        os.close(fd)
-    return record
-
-
-def _break(path: Path, raw: bytes) -> bool:
-    """Removes a stale lock unless another process has replaced it meanwhile."""
-    try:
-        if path.read_bytes() != raw:
-            return False
-        path.unlink()
-    except FileNotFoundError:
-        return False
-    return True
-
-
-def _release(path: Path, record: bytes) -> None:
-    try:
-        if path.read_bytes() == record:  # not if it was broken as stale and taken since
-            path.unlink()
-    except OSError:
-        pass
-
-
-def _acquire(
-    path: Path, wait: float, stale_after: float, notes: list[str]
-) -> tuple[bytes | None, str | None]:
-    """Takes the build lock: (its content, None), or (None, why not) after ``wait`` seconds.
-
-    A stale lock is broken (noted in ``notes``); a live one is waited on, with one log record.
-    """
-    start = time.monotonic()
-    holder, held_for = "an unknown process", 0.0
-    logged = False
-    while True:
-        record = _take(path)
-        if record is not None:
-            if logged:
-                notes.append(f"waited {time.monotonic() - start:.0f}s for {holder}'s build")
-            return record, None
-        seen = _inspect(path)
-        if seen is not None:
-            raw, held_for, owner = seen
-            why = _stale(owner, held_for, stale_after)
-            if why is not None:
-                if _break(path, raw):
-                    notes.append(f"broke the stale kernel-build lock {path}: {why}")
-                    _log.info("torchstash: broke the stale kernel-build lock %s: %s", path, why)
-                    continue
-            else:
-                if owner is not None:
-                    holder = f"pid {owner['pid']} on {owner.get('host')}"
-                if not logged:
-                    logged = True
-                    _log.warning(
-                        "torchstash: %s is building the kernels (lock %s, taken %.0fs ago); "
-                        "waiting up to %gs (%s) for it to finish. If no build is running, "
-                        "delete %s",
-                        holder, path, held_for, wait, env.KERNEL_LOCK_WAIT, path,
-                    )  # fmt: skip
-        remaining = start + wait - time.monotonic()
-        if remaining <= 0:
-            return None, (
-                f"another process is building the kernels: {holder} has held the lock {path} "
-                f"for {held_for:.0f}s, and this one gave up waiting after {wait:g}s "
-                f"({env.KERNEL_LOCK_WAIT}). If no build is running, delete {path}"
-            )
-        time.sleep(min(_POLL_SECONDS, remaining))
 
 
 def _remove_baton(build_dir: Path, notes: list[str]) -> None:
@@ -452,6 +253,36 @@ def _remove_baton(build_dir: Path, notes: list[str]) -> None:
     except FileNotFoundError:
         return
     notes.append(f"removed {baton}, left by an interrupted build")
+
+
+def _compile(build_dir: Path, name: str, root: Path, out: _Outcome) -> None:
+    """Builds (or loads from the cache) the library, holding the build lock."""
+    from torch.utils import cpp_extension
+
+    _remove_baton(build_dir, out.notes)
+    cflags, cuda_cflags, ldflags = _flags()
+    out.cached = any(build_dir.glob(f"{name}*.so"))
+    if not out.cached:  # the one slow first use: say so (logger torchstash.kernels.loader)
+        _log.warning(
+            "torchstash: building the compiled %s kernels into %s (first use of these "
+            "sources: up to a few minutes; cached after; `torchstash build` does it ahead)",
+            out.variant, build_dir,
+        )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in _sources(root, out.variant)],
+            extra_cflags=cflags,
+            extra_cuda_cflags=cuda_cflags,
+            extra_ldflags=ldflags,
+            extra_include_paths=[str(root / "include")],
+            build_directory=str(build_dir),
+            with_cuda=out.variant == "cuda",
+            is_python_module=False,
+            verbose=False,
+        )
+    out.notes += [f"build warning: {w.message}" for w in caught]
 
 
 def _build() -> _Outcome:
@@ -479,46 +310,19 @@ def _build() -> _Outcome:
         out.built, out.library, out.cached, out.build_seconds = True, _loaded[1], True, 0.0
         return out
     try:
-        wait, stale_after = _lock_limits()
+        wait = _lock_wait()
     except ValueError as exc:
         out.reasons.append(str(exc))
         return out
-    from torch.utils import cpp_extension
-
-    cflags, cuda_cflags, ldflags = _flags()
-    lock = build_dir / LOCK_NAME
-    record: bytes | None = None
     start = time.perf_counter()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
-        record, busy = _acquire(lock, wait, stale_after, out.notes)
-        if busy is not None:
-            out.reasons.append(busy)
-            return out
-        _remove_baton(build_dir, out.notes)
-        out.cached = any(build_dir.glob(f"{name}*.so"))
-        if not out.cached:  # the one slow first use: say so (logger torchstash.kernels.loader)
-            _log.warning(
-                "torchstash: building the compiled %s kernels into %s (first use of these "
-                "sources: up to a few minutes; cached after; `torchstash build` does it ahead)",
-                out.variant, build_dir,
-            )  # fmt: skip
-        start = time.perf_counter()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            cpp_extension.load(
-                name=name,
-                sources=[str(s) for s in _sources(root, out.variant)],
-                extra_cflags=cflags,
-                extra_cuda_cflags=cuda_cflags,
-                extra_ldflags=ldflags,
-                extra_include_paths=[str(root / "include")],
-                build_directory=str(build_dir),
-                with_cuda=out.variant == "cuda",
-                is_python_module=False,
-                verbose=False,
-            )
-        out.notes += [f"build warning: {w.message}" for w in caught]
+        with build_lock(build_dir, wait, out.notes) as busy:
+            if busy is not None:
+                out.reasons.append(busy)
+                return out
+            start = time.perf_counter()  # the build's time, not the wait's
+            _compile(build_dir, name, root, out)
     except Exception as exc:  # compiler errors, linker errors, dlopen failures, ...
         out.build_seconds = time.perf_counter() - start
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -526,9 +330,6 @@ def _build() -> _Outcome:
         out.error = f"{type(exc).__name__}: {exc}"
         out.cause = exc
         return out
-    finally:
-        if record is not None:
-            _release(lock, record)
     out.build_seconds = time.perf_counter() - start
     library = max(build_dir.glob(f"{name}*.so"), key=lambda p: p.stat().st_mtime, default=None)
     out.built, out.library = True, str(library)
