@@ -16,6 +16,7 @@ from torchstash.errors import (
     DuplicateStrategyError,
     OptionError,
     PluginLoadError,
+    PolicyError,
     RegistryError,
     UnknownStrategyError,
 )
@@ -423,3 +424,73 @@ def test_option_values_checked_against_annotations() -> None:
             OptionError, match=rf"'typed': option {key}={re.escape(repr(value))} must be {message}"
         ):
             s.create(**{key: value})
+
+
+# -- one registry, passed through ---------------------------------------------------------------
+
+
+def _own_registry() -> Registry:
+    from torchstash.testing.toys import HalfCompressor
+
+    reg = Registry.fresh(plugins=False)
+    reg.register("mine.half", HalfCompressor, lossless=False, summary="bf16 copies")
+    return reg
+
+
+def test_apply_stash_and_strategies_take_a_registry_and_leave_the_process_one_alone() -> None:
+    import torch
+    from torch import nn
+
+    import torchstash as ts
+    from torchstash.registry import REGISTRY
+
+    reg = _own_registry()
+    generation = REGISTRY.generation
+    assert "mine.half" in {s["name"] for s in ts.strategies(registry=reg)}
+    assert "mine.half" not in {s["name"] for s in ts.strategies()}
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+    x = torch.randn(32, 64)
+    with pytest.raises(UnknownStrategyError):
+        ts.apply(model, "mine.half")
+    with ts.apply(model, "mine.half", registry=reg, min_bytes=0) as handle:
+        model(x).sum().backward()
+        assert handle.plan.registry is reg
+        assert handle.tally.stored_bytes < handle.tally.raw_bytes  # it ran: bf16 copies
+    with ts.stash("mine.half", registry=reg, min_bytes=0) as block:
+        model(x).sum().backward()
+    assert block.plan.registry is reg and block.tally.stored_bytes < block.tally.raw_bytes
+    assert REGISTRY.generation == generation and "mine.half" not in REGISTRY.names()
+
+
+def test_a_policy_names_a_plugin_op_of_the_registry_it_is_read_with() -> None:
+    from torchstash.policy import Policy
+    from torchstash.testing.toys import HalfCompressor
+
+    reg = _own_registry()
+    reg.register_op_default("mine.square", HalfCompressor, summary="a plug-in op's code")
+    rules = [{"op": "mine.square", "strategy": "none"}]
+    assert Policy.from_rules(rules, registry=reg).rules[0].op == "mine.square"
+    with pytest.raises(PolicyError, match="unknown op 'mine.square'"):
+        Policy.from_rules(rules)  # the process's registry knows no such op
+
+
+def test_a_compressor_error_names_the_distribution_from_the_plans_registry() -> None:
+    import torch
+    from torch import nn
+
+    import torchstash as ts
+    from torchstash.errors import CompressionError
+    from torchstash.testing.toys import HalfCompressor
+
+    class Broken(HalfCompressor):
+        def compress(self, x: torch.Tensor, site: ts.Site) -> ts.Packed:
+            raise RuntimeError("broken on purpose")
+
+    reg = Registry.fresh(plugins=False)
+    reg.register("mine.broken", Broken, lossless=False, summary="raises")
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU())
+    with (
+        ts.apply(model, "mine.broken", registry=reg, min_bytes=0),
+        pytest.raises(CompressionError, match="strategy 'mine.broken'"),
+    ):
+        model(torch.randn(8, 64, requires_grad=True))

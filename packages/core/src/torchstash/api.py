@@ -27,7 +27,7 @@ from .errors import ApplyError, NothingToRewriteWarning
 from .packed import storage_base
 from .plan import Plan, Swapped
 from .policy import Policy, Rule, as_policy
-from .registry import REGISTRY
+from .registry import Registry, resolved
 from .site import Site
 
 PolicyLike = Policy | str | Path | Sequence[Mapping[str, Any] | Rule]
@@ -105,7 +105,12 @@ class Handle:
         return f"<torchstash.Handle {self.policy.name!r}, {state}>"
 
 
-def _as_plan(strategy: str | None, policy: PolicyLike | None, options: dict[str, Any]) -> Plan:
+def _as_plan(
+    strategy: str | None,
+    policy: PolicyLike | None,
+    options: dict[str, Any],
+    registry: Registry | None = None,
+) -> Plan:
     if strategy is not None and policy is not None:
         raise ApplyError("give a strategy name or a policy, not both")
     if policy is not None:
@@ -113,12 +118,12 @@ def _as_plan(strategy: str | None, policy: PolicyLike | None, options: dict[str,
             raise ApplyError(
                 f"options {sorted(options)} go inside the policy's rules, not beside a policy"
             )
-        return Plan(as_policy(policy))
+        return Plan(as_policy(policy, registry=registry), registry)
     if strategy is None:
         raise ApplyError("give a strategy name (see torchstash.strategies()) or a policy")
     if not isinstance(strategy, str):
         raise ApplyError(f"strategy must be a name such as 'quant.int8', got {strategy!r}")
-    return Plan(Policy.single(strategy, **options))
+    return Plan(Policy.single(strategy, **options), registry)
 
 
 def apply(
@@ -130,6 +135,7 @@ def apply(
     budget_mb: float | None = None,
     example: Any = None,
     candidates: Sequence[str] | None = None,
+    registry: Registry | None = None,
     **options: Any,
 ) -> Handle:
     """Make ``model`` save less for backward, in place (no copy; ``state_dict`` keys unchanged).
@@ -139,7 +145,8 @@ def apply(
     ``budget_mb`` instead picks per-module strategies among ``candidates`` that keep what
     autograd saves on ``example`` (a function running one step's forward and returning the
     loss) under that many megabytes, with the least measured gradient error; the choice is in
-    ``handle.budget`` (see :mod:`torchstash.budget`).
+    ``handle.budget`` (see :mod:`torchstash.budget`). ``registry``: where strategies are looked
+    up (default: the process's, with every installed plug-in).
     Returns a :class:`Handle`; ``handle.remove()`` or :func:`remove` restores the model.
     """
     if not isinstance(model, nn.Module):
@@ -154,15 +161,21 @@ def apply(
 
         _refuse_applied(model)
         chosen = plan_budget(
-            model, budget_mb, example, apply=apply, candidates=candidates, min_bytes=min_bytes
+            model,
+            budget_mb,
+            example,
+            apply=apply,
+            candidates=candidates,
+            min_bytes=min_bytes,
+            registry=registry,
         )
-        handle = apply(model, policy=chosen.rules, min_bytes=min_bytes)
+        handle = apply(model, policy=chosen.rules, min_bytes=min_bytes, registry=registry)
         handle.budget = chosen
         return handle
     if example is not None or candidates is not None:
         raise ApplyError("example= and candidates= go with budget_mb=")
     _refuse_applied(model)
-    plan = _as_plan(strategy, policy, options)
+    plan = _as_plan(strategy, policy, options, registry)
     plan.check_types({n for m in model.modules() for n in tags.type_names(m)})
 
     modules: list[nn.Module] = []  # the model's, once rewritten: read at the first forward
@@ -182,7 +195,7 @@ def apply(
                     ptrs.add(storage_base(b))
         return ptrs
 
-    engine = Engine(plan.compressor, min_bytes=min_bytes, skip_ptrs=params_and_buffers)
+    engine = Engine(plan.compressor, min_bytes=min_bytes, skip_ptrs=params_and_buffers, names=plan)
     handle = Handle(model, plan, engine)
     try:
         if plan.has_rewriters:
@@ -335,6 +348,7 @@ def _shared(
     min_bytes: int,
     module: nn.Module | None,
     where: tuple[str, int],
+    registry: Registry,
 ) -> _Shared | None:
     """What every ``stash`` block opened at the same line of code (``where``) with this
     strategy, options and module shares on this thread: a training loop opens a new block each
@@ -351,7 +365,8 @@ def _shared(
             tuple(sorted(options.items())),
             min_bytes,
             id(module),
-            REGISTRY.generation,  # a strategy registered anew: built anew
+            id(registry),
+            registry.generation,  # a strategy registered anew: built anew
         )
         hash(key)
     except TypeError:
@@ -361,7 +376,7 @@ def _shared(
         table = _STASH_SHARED.table = {}
     found = table.get(key)
     if found is None:
-        plan = _as_plan(strategy, None, options)  # a bad name raises here, and is not kept
+        plan = _as_plan(strategy, None, options, registry)  # a bad name raises, is not kept
         found = table[key] = _Shared(plan, Replayer(Tally(), set, _no_code))
     return found
 
@@ -395,13 +410,18 @@ class stash:
         policy: PolicyLike | None = None,
         min_bytes: int = DEFAULT_MIN_BYTES,
         module: nn.Module | None = None,
+        registry: Registry | None = None,
         **options: Any,
     ) -> None:
         """``module``: the block runs inside that module's forward (a layer that compresses
         its own saves): its Parameters and buffers are left as they are, and its saves are
-        counted and named as its."""
-        shared = _shared(strategy, policy, options, min_bytes, module, _caller())
-        self.plan = shared.plan if shared is not None else _as_plan(strategy, policy, options)
+        counted and named as its. ``registry``: where strategies are looked up (default: the
+        process's)."""
+        registry = resolved(registry)
+        shared = _shared(strategy, policy, options, min_bytes, module, _caller(), registry)
+        self.plan = (
+            shared.plan if shared is not None else _as_plan(strategy, policy, options, registry)
+        )
         self.module = module
         if self.plan.has_rewriters:
             names = [b.name for b in self.plan.built.values() if b.rewriters]
@@ -414,6 +434,7 @@ class stash:
             min_bytes=min_bytes,
             in_scope=self._in_scope,
             replayer=shared.replayer if shared is not None else None,
+            names=self.plan,
         )
         self._exit: Any = None
         self._token: contextvars.Token[tuple[stash, ...]] | None = None
@@ -486,6 +507,6 @@ class stash:
                     _OPEN_STASHES.set(tuple(s for s in _OPEN_STASHES.get() if s is not self))
 
 
-def strategies() -> list[dict[str, Any]]:
+def strategies(registry: Registry | None = None) -> list[dict[str, Any]]:
     """Installed strategies: name, distribution, version, lossless, summary, options."""
-    return [s.describe() for s in REGISTRY.strategies()]
+    return [s.describe() for s in resolved(registry).strategies()]

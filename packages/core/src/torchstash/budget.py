@@ -14,6 +14,7 @@ batch (what torchstash controls), not weights, optimizer state or workspace.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from .errors import ApplyError
-from .registry import REGISTRY
+from .registry import Registry, resolved
 
 MB = 1024 * 1024
 _ATTEMPTS = 6  # whole-model re-measurements while the shared tensors are accounted
@@ -162,9 +163,9 @@ def _measure(
     return grads, rows
 
 
-def _candidates(requested: Sequence[str] | None) -> list[str]:
+def _candidates(requested: Sequence[str] | None, registry: Registry) -> list[str]:
     if requested is None:
-        names = [s.name for s in REGISTRY.candidates()]
+        names = [s.name for s in registry.candidates()]
         if not names:
             raise ApplyError(
                 "budget_mb: no installed plug-in offers a budget candidate (a strategy "
@@ -174,10 +175,10 @@ def _candidates(requested: Sequence[str] | None) -> list[str]:
         return names
     out = []
     for name in requested:
-        if name not in REGISTRY.names():
+        if name not in registry.names():
             raise ApplyError(
                 f"budget_mb: candidate {name!r} is not an installed strategy; "
-                f"installed: {', '.join(REGISTRY.names())}"
+                f"installed: {', '.join(registry.names())}"
             )
         out.append(name)
     return out
@@ -237,9 +238,11 @@ def plan_budget(
     candidates: Sequence[str] | None = None,
     seed: int = 0,
     min_bytes: int | None = None,
+    registry: Registry | None = None,
 ) -> BudgetPlan:
     """Measure and choose; the model is left as it was (see the module docstring).
-    ``apply`` is :func:`torchstash.apply`, which calls this (passed in: no import loop)."""
+    ``apply`` is :func:`torchstash.apply`, which calls this (passed in: no import loop);
+    ``registry`` holds the candidates (default: the process's)."""
     from .engine import DEFAULT_MIN_BYTES
 
     if not isinstance(budget_mb, (int, float)) or not budget_mb > 0:
@@ -250,7 +253,9 @@ def plan_budget(
             "representative batch and returns the loss (or the model's input tensors)"
         )
     min_bytes = DEFAULT_MIN_BYTES if min_bytes is None else min_bytes
-    names = _candidates(candidates)
+    registry = resolved(registry)
+    apply = functools.partial(apply, registry=registry)
+    names = _candidates(candidates, registry)
     step = _as_step(example)
     budget = int(budget_mb * MB)
 
@@ -276,7 +281,7 @@ def plan_budget(
             delta = sum(b for _, b in alone.values()) - stock_total
             if delta >= 0:
                 continue
-            error = 0.0 if REGISTRY.get(name).lossless else _one_minus_cos(exact, grads)
+            error = 0.0 if registry.get(name).lossless else _one_minus_cos(exact, grads)
             table[u][name] = (stock_rows[u][1] + delta, error)
 
     tried: list[BudgetPlan] = list(uniform)

@@ -11,7 +11,7 @@ from torch import nn
 from .compressor import Composed, Compressor
 from .errors import OptionError, PolicyError, RegistryError
 from .policy import Policy, Rule
-from .registry import REGISTRY, Registry
+from .registry import IN_PROCESS, Registry, resolved
 from .site import Site
 
 CHAIN = ">"
@@ -51,7 +51,7 @@ class Built:
 
 def build(strategy: str, options: Mapping[str, Any], registry: Registry | None = None) -> Built:
     """Build ``strategy`` (``a>b`` chains: rewriters from every part, compressors composed)."""
-    reg = registry or REGISTRY
+    reg = resolved(registry)
     parts = [p.strip() for p in strategy.split(CHAIN)]
     if any(not p for p in parts):
         raise RegistryError(f"malformed strategy {strategy!r}: write 'a' or 'a>b'")
@@ -95,14 +95,15 @@ class Plan:
 
     def __init__(self, policy: Policy, registry: Registry | None = None) -> None:
         self.policy = policy
+        #: where the strategies, plug-in ops' codes and their distributions are looked up
+        self.registry = resolved(registry)
         self.built: dict[int, Built] = {}
         for i, rule in enumerate(policy.rules):
             try:
-                self.built[i] = build(rule.strategy, rule.options, registry)
+                self.built[i] = build(rule.strategy, rule.options, self.registry)
             except (RegistryError, OptionError) as e:
                 raise type(e)(f"{rule.source}: {e}") from e
         self._index = {id(r): i for i, r in enumerate(policy.rules)}
-        self._registry = registry or REGISTRY
         #: plug-in ops' own codes (:class:`~torchstash.registry.OpDefault`), built once each
         self._defaults: dict[str, Compressor | None] = {}
 
@@ -125,7 +126,7 @@ class Plan:
             return self._defaults[func]
         except KeyError:
             pass
-        found = self._registry.op_default(func)
+        found = self.registry.op_default(func)
         built = found.factory() if found is not None else None
         if built is not None and not isinstance(built, Compressor):
             raise RegistryError(
@@ -134,6 +135,26 @@ class Plan:
             )
         self._defaults[func] = built
         return built
+
+    def strategy_of(self, compressor: Compressor) -> str | None:
+        """The rule strategy that built ``compressor`` (None for a plug-in op's own code)."""
+        for built in self.built.values():
+            if built.compressor is compressor:
+                return built.name
+        return None
+
+    def providers(self, strategy: str) -> str:
+        """The distributions (with versions) that registered each part of ``strategy``."""
+        found: list[str] = []
+        for part in strategy.split(CHAIN):
+            try:
+                spec = self.registry.get(part.strip())
+            except RegistryError:
+                continue
+            who = f"{spec.distribution} {spec.version}".strip()
+            if spec.distribution != IN_PROCESS and who not in found:
+                found.append(who)
+        return " and ".join(found)
 
     def rewriters(self, site: Site, type_names: frozenset[str]) -> tuple[Rewriter, ...]:
         """Rewriters for a module: the last rule that can select a module decides."""

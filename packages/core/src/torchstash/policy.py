@@ -29,6 +29,7 @@ from typing import Any
 from . import tags
 from .errors import PolicyError
 from .opnames import is_known_op
+from .registry import Registry, resolved
 from .site import Site
 from .tomlheaders import header_lines
 
@@ -108,15 +109,26 @@ class Policy:
         return cls([Rule(strategy, dict(options), source=f"strategy {strategy!r}")], strategy)
 
     @classmethod
-    def from_rules(cls, rules: Iterable[Mapping[str, Any] | Rule], name: str = "policy") -> Policy:
-        """Rules given as dicts (the TOML shape) or :class:`Rule` objects."""
+    def from_rules(
+        cls,
+        rules: Iterable[Mapping[str, Any] | Rule],
+        name: str = "policy",
+        *,
+        registry: Registry | None = None,
+    ) -> Policy:
+        """Rules given as dicts (the TOML shape) or :class:`Rule` objects; ``registry`` knows
+        the plug-in ops a rule may name (default: the process's)."""
         built = []
         for i, r in enumerate(rules, 1):
-            built.append(r if isinstance(r, Rule) else rule_from_dict(r, f"rule {i} ({name})"))
+            if not isinstance(r, Rule):
+                r = rule_from_dict(r, f"rule {i} ({name})", registry=registry)
+            built.append(r)
         return cls(built, name)
 
     @classmethod
-    def from_toml(cls, text: str, name: str = "<toml>") -> Policy:
+    def from_toml(
+        cls, text: str, name: str = "<toml>", *, registry: Registry | None = None
+    ) -> Policy:
         """``[[rule]]`` tables; see the module docstring for the keys."""
         try:
             data = tomllib.loads(text)
@@ -137,17 +149,24 @@ class Policy:
         rules = []
         for i, r in enumerate(raw_rules):
             line = f", line {lines[i]}" if lines else ""
-            rules.append(rule_from_dict(r, f"rule {i + 1} ({name}{line})"))
+            rules.append(rule_from_dict(r, f"rule {i + 1} ({name}{line})", registry=registry))
         return cls(rules, name)
 
     @classmethod
-    def from_format(cls, form: str, text: str, name: str = "<policy>", **options: Any) -> Policy:
+    def from_format(
+        cls,
+        form: str,
+        text: str,
+        name: str = "<policy>",
+        *,
+        registry: Registry | None = None,
+        **options: Any,
+    ) -> Policy:
         """Rules in a format a plug-in registered (``"quant.mesa"``: Mesa's policy text), read
         by that plug-in (see :meth:`~torchstash.registry.Registry.register_policy_format`)."""
-        from .registry import REGISTRY
-
-        reader = REGISTRY.policy_format(form)
-        return cls.from_rules(reader.read(text, name, **options), name)
+        reg = resolved(registry)
+        reader = reg.policy_format(form)
+        return cls.from_rules(reader.read(text, name, **options), name, registry=reg)
 
     @classmethod
     def from_mesa(cls, text: str, name: str = "<mesa>", strategy: str = "quant.mesa") -> Policy:
@@ -155,7 +174,9 @@ class Policy:
         return cls.from_format("quant.mesa", text, name, strategy=strategy)
 
     @classmethod
-    def load(cls, path: str | Path, form: str | None = None) -> Policy:
+    def load(
+        cls, path: str | Path, form: str | None = None, *, registry: Registry | None = None
+    ) -> Policy:
         """A policy file: TOML (``.toml``), or a format a plug-in reads (``form``, else the
         one claiming the file's suffix: Mesa's text format, from torchstash-quant)."""
         p = Path(path)
@@ -171,12 +192,11 @@ class Policy:
                 f"policy file {str(p)!r} is not UTF-8 text: byte {data[e.start]:#04x} on line "
                 f"{line} ({e.reason}). Save it as UTF-8."
             ) from None
+        reg = resolved(registry)
         if form is None and p.suffix == ".toml":
-            return cls.from_toml(text, p.name)
+            return cls.from_toml(text, p.name, registry=reg)
         if form is None:
-            from .registry import REGISTRY
-
-            found = REGISTRY.policy_format_for(p.suffix)
+            found = reg.policy_format_for(p.suffix)
             if found is None:
                 raise PolicyError(
                     f"policy file {str(p)!r}: no installed plug-in reads {p.suffix or 'suffix-less'} "
@@ -185,8 +205,8 @@ class Policy:
                 )
             form = found.name
         if form == "toml":
-            return cls.from_toml(text, p.name)
-        return cls.from_format(form, text, p.name)
+            return cls.from_toml(text, p.name, registry=reg)
+        return cls.from_format(form, text, p.name, registry=reg)
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
@@ -212,15 +232,21 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return name.strip(), options
 
 
-def as_policy(policy: Policy | str | Path | Sequence[Mapping[str, Any] | Rule]) -> Policy:
+def as_policy(
+    policy: Policy | str | Path | Sequence[Mapping[str, Any] | Rule],
+    *,
+    registry: Registry | None = None,
+) -> Policy:
     if isinstance(policy, Policy):
         return policy
     if isinstance(policy, (str, Path)):
-        return Policy.load(policy)
-    return Policy.from_rules(policy)
+        return Policy.load(policy, registry=registry)
+    return Policy.from_rules(policy, registry=registry)
 
 
-def rule_from_dict(raw: Mapping[str, Any], source: str) -> Rule:
+def rule_from_dict(
+    raw: Mapping[str, Any], source: str, *, registry: Registry | None = None
+) -> Rule:
     """Validate one rule's keys and values; every error names ``source``."""
     if not isinstance(raw, Mapping):
         raise PolicyError(f"{source}: a rule is a table of keys, got {raw!r}")
@@ -253,7 +279,7 @@ def rule_from_dict(raw: Mapping[str, Any], source: str) -> Rule:
             kw[key] = raw[key]
     if "op" in raw:
         op = raw["op"]
-        if not isinstance(op, str) or not (is_known_op(op) or _plugin_op(op)):
+        if not isinstance(op, str) or not (is_known_op(op) or _plugin_op(op, registry)):
             raise PolicyError(
                 f"{source}: unknown op {op!r}. Use an op name such as "
                 f"linear, matmul, softmax, gelu, layer_norm, conv, scaled_dot_product_attention."
@@ -267,11 +293,9 @@ def rule_from_dict(raw: Mapping[str, Any], source: str) -> Rule:
     return Rule(strategy=strategy, options=dict(options), source=source, **kw)
 
 
-def _plugin_op(name: str) -> bool:
+def _plugin_op(name: str, registry: Registry | None) -> bool:
     """A plug-in's own op with a default code (``memsave.relu``), which a rule may override."""
-    from .registry import REGISTRY
-
-    return "." in name and REGISTRY.op_default(name) is not None
+    return "." in name and resolved(registry).op_default(name) is not None
 
 
 def _type_name(value: Any, key: str, source: str) -> str:

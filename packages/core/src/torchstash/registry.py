@@ -211,6 +211,13 @@ class Registry:
         #: bumped by every registration and removal: what was built from names may be stale
         self.generation = 0
 
+    @classmethod
+    def fresh(cls, *, plugins: bool = True) -> Registry:
+        """A registry of its own holding the core's strategies and, with ``plugins``, the
+        installed plug-ins (found as the process's are): for a test or a tool that registers
+        strategies without touching the process's (pass it as ``registry=``)."""
+        return cls(discover=_discover if plugins else _nothing, builtins=_core_builtins)
+
     # -- registration -------------------------------------------------------------------------
 
     def register(
@@ -522,6 +529,10 @@ def _disabled(ep: EntryPoint) -> bool:
     return "*" in names or ep.prefix.lower() in names or ep.distribution.lower() in names
 
 
+def _nothing() -> list[EntryPoint]:
+    return []
+
+
 def _core_builtins(registry: Registry) -> None:
     from .builtin import register
 
@@ -530,6 +541,14 @@ def _core_builtins(registry: Registry) -> None:
 
 #: The process-wide registry that :func:`torchstash.register_strategy` and ``apply`` use.
 REGISTRY = Registry(builtins=_core_builtins)
+
+
+def resolved(registry: Registry | None) -> Registry:
+    """``registry``, or the process's (:data:`REGISTRY`) when None. Each public entry point
+    (``apply``, ``stash``, ``strategies``, ``Plan``, ``Policy``'s readers, the budget planner)
+    takes ``registry=`` and hands that one registry to everything it calls, so a test or a
+    second registry is a parameter, never a patch of the global."""
+    return REGISTRY if registry is None else registry
 
 
 def register_strategy(

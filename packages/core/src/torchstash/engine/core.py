@@ -64,10 +64,13 @@ class Engine(Scoping, Recomputation):
         dedupe: bool = True,
         in_scope: Callable[[], bool] | None = None,
         replayer: Replayer | None = None,
+        names: messages.Naming | None = None,
     ) -> None:
         """``replayer``: one an earlier engine of the same plan recorded with (a ``stash``
         block is a new engine each step); it is bound to this one while it runs."""
         self.resolve = resolve
+        #: who built each compressor, for the messages (the plan; None: a bare engine)
+        self.names = names
         #: whether the running code is the engine's to compress (a ``stash`` block's own
         #: thread and context); None: whatever runs under its hooks
         self.in_scope = in_scope
@@ -341,10 +344,10 @@ class Engine(Scoping, Recomputation):
         try:
             return compressor.compress(t.detach(), site)
         except KEEP_TYPE as e:
-            e.add_note(messages.compress_note(self.resolve, compressor, site, t))
+            e.add_note(messages.compress_note(self.names, compressor, site, t))
             raise
         except Exception as e:
-            raise messages.compress_error(self.resolve, compressor, site, t, e) from e
+            raise messages.compress_error(self.names, compressor, site, t, e) from e
 
     def _missed(self, tls: ThreadState) -> None:
         """A replayed save missed its guard: the saves before it are counted as the trace
@@ -527,13 +530,11 @@ class Engine(Scoping, Recomputation):
             out = with_layout(compressor.decompress(value), entry.strides)
         except KEEP_TYPE as e:
             gone = self._release(entry)
-            e.add_note(messages.restore_note(self.resolve, compressor, entry.site, value, gone))
+            e.add_note(messages.restore_note(self.names, compressor, entry.site, value, gone))
             raise
         except Exception as e:
             gone = self._release(entry)
-            raise messages.restore_error(
-                self.resolve, compressor, entry.site, value, gone, e
-            ) from e
+            raise messages.restore_error(self.names, compressor, entry.site, value, gone, e) from e
         if entry.pending > 1:
             # Restored again soon (a BatchNorm's input: by the recipe of the output the next
             # conv saves, then by the BatchNorm's own backward, one op apart): decoded once,

@@ -4,8 +4,7 @@ the tensor, and saying what to do)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -60,48 +59,32 @@ def tensor_text(site: Site, shape: tuple[int, ...] | torch.Size, dtype: torch.dt
     return f"{what} {op} saved in {where} ({site.module_type or 'no module'})"
 
 
-def providers(strategy: str) -> str:
-    """The distributions (with versions) that registered each part of ``strategy``."""
-    from ..registry import IN_PROCESS, REGISTRY
+class Naming(Protocol):
+    """Who built a compressor, for the messages (a :class:`~torchstash.plan.Plan`)."""
 
-    found: list[str] = []
-    for part in strategy.split(">"):
-        try:
-            spec = REGISTRY.get(part.strip())
-        except Exception:  # not in the global registry (a Plan built on another): say nothing
-            continue
-        who = f"{spec.distribution} {spec.version}".strip()
-        if spec.distribution != IN_PROCESS and who not in found:
-            found.append(who)
-    return " and ".join(found)
+    def strategy_of(self, compressor: Compressor) -> str | None: ...
+
+    def providers(self, strategy: str) -> str: ...
 
 
-def strategy_of(resolve: Callable[..., Any], compressor: Compressor) -> str | None:
-    """The policy strategy that built ``compressor`` (None for a plug-in op's default code).
-
-    ``apply`` and ``stash`` resolve with a :class:`~torchstash.plan.Plan`'s bound method;
-    its ``built`` rules name the strategy behind each compressor.
-    """
-    plan = getattr(resolve, "__self__", None)
-    for built in getattr(plan, "built", {}).values():
-        if getattr(built, "compressor", None) is compressor:
-            return str(built.name)
-    return None
+def _strategy_and_providers(names: Naming | None, compressor: Compressor) -> tuple[str | None, str]:
+    strategy = None if names is None else names.strategy_of(compressor)
+    provider = names.providers(strategy) if names is not None and strategy else ""
+    return strategy, provider
 
 
-def who(resolve: Callable[..., Any], compressor: Compressor) -> str:
+def who(names: Naming | None, compressor: Compressor) -> str:
     """``strategy 'a' (compressor 'b', module.Class, from dist 1.0)``."""
     cls = type(compressor)
     parts = [f"compressor {compressor.name!r}", f"{cls.__module__}.{cls.__qualname__}"]
-    strategy = strategy_of(resolve, compressor)
-    provider = providers(strategy) if strategy else ""
+    strategy, provider = _strategy_and_providers(names, compressor)
     if provider:
         parts.append(f"from {provider}")
     head = f"strategy {strategy!r}" if strategy else "the op's own codec"
     return f"{head} ({', '.join(parts)})"
 
 
-def advice(resolve: Callable[..., Any], compressor: Compressor, site: Site) -> str:
+def advice(names: Naming | None, compressor: Compressor, site: Site) -> str:
     """What to do: a policy rule that leaves the site out, and whom to tell."""
     if site.module:
         rule: dict[str, str] = {"module": site.module, "strategy": "none"}
@@ -109,8 +92,7 @@ def advice(resolve: Callable[..., Any], compressor: Compressor, site: Site) -> s
     else:
         rule = {"op": site.op, "role": site.role, "strategy": "none"}
         what = "that tensor"
-    strategy = strategy_of(resolve, compressor)
-    provider = (providers(strategy) if strategy else "") or (
+    provider = _strategy_and_providers(names, compressor)[1] or (
         f"the maintainers of {type(compressor).__module__}"
     )
     return (
@@ -127,39 +109,37 @@ def released(count: int, nbytes: int) -> str:
     )
 
 
-def compress_note(
-    resolve: Callable[..., Any], compressor: Compressor, site: Site, t: torch.Tensor
-) -> str:
+def compress_note(names: Naming | None, compressor: Compressor, site: Site, t: torch.Tensor) -> str:
     """The note added to an error of :data:`KEEP_TYPE` raised in forward."""
     return (
-        f"torchstash: raised in forward by {who(resolve, compressor)} compressing the "
+        f"torchstash: raised in forward by {who(names, compressor)} compressing the "
         f"{tensor_text(site, t.shape, t.dtype)}; {FORWARD_STATE}"
     )
 
 
 def compress_error(
-    resolve: Callable[..., Any], compressor: Compressor, site: Site, t: torch.Tensor, e: Exception
+    names: Naming | None, compressor: Compressor, site: Site, t: torch.Tensor, e: Exception
 ) -> CompressionError:
     """Any other error a compressor raised in forward."""
     return CompressionError(
-        f"{who(resolve, compressor)} failed to compress the "
+        f"{who(names, compressor)} failed to compress the "
         f"{tensor_text(site, t.shape, t.dtype)}: {type(e).__name__}: {e}. "
-        f"It was raised in forward: {FORWARD_STATE}. {advice(resolve, compressor, site)}"
+        f"It was raised in forward: {FORWARD_STATE}. {advice(names, compressor, site)}"
     )
 
 
 def restore_note(
-    resolve: Callable[..., Any], compressor: Compressor, site: Site, packed: Any, gone: str
+    names: Naming | None, compressor: Compressor, site: Site, packed: Any, gone: str
 ) -> str:
     """The note added to an error of :data:`KEEP_TYPE` raised in backward."""
     return (
-        f"torchstash: raised in backward by {who(resolve, compressor)} restoring the "
+        f"torchstash: raised in backward by {who(names, compressor)} restoring the "
         f"{tensor_text(site, packed.shape, packed.dtype)}; {gone}; {BACKWARD_STATE}"
     )
 
 
 def restore_error(
-    resolve: Callable[..., Any],
+    names: Naming | None,
     compressor: Compressor,
     site: Site,
     packed: Any,
@@ -168,10 +148,10 @@ def restore_error(
 ) -> CompressionError:
     """Any other error a compressor raised in backward."""
     return CompressionError(
-        f"{who(resolve, compressor)} failed to restore the "
+        f"{who(names, compressor)} failed to restore the "
         f"{tensor_text(site, packed.shape, packed.dtype)}: {type(e).__name__}: {e}. "
         f"It was raised in backward: {BACKWARD_STATE}; {gone}. "
-        f"{advice(resolve, compressor, site)}"
+        f"{advice(names, compressor, site)}"
     )
 
 

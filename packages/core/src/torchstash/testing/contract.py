@@ -253,14 +253,12 @@ class RewriterContract:
 
     def _applied(self, model: nn.Module) -> Any:
         from ..api import apply
-        from ..registry import REGISTRY
+        from ..registry import Registry
 
-        name = f"contract.rewriter{id(self)}"
-        REGISTRY.register(name, self.make_rewriter, lossless=self.lossless, summary="contract")
-        try:
-            return apply(model, name)
-        finally:
-            REGISTRY.unregister(name)
+        registry = Registry.fresh()  # the process's registry is left as it is
+        name = "contract.rewriter"
+        registry.register(name, self.make_rewriter, lossless=self.lossless, summary="contract")
+        return apply(model, name, registry=registry)
 
     def _step(self, model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         torch.manual_seed(1)  # the same dropout draws for stock and the rewritten model
