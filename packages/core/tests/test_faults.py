@@ -31,7 +31,7 @@ from torchstash.kernels import group_quantize, loader
 from torchstash.kernels.groupquant_reference import group_quantize_ref
 from torchstash.optrack import STATE as OP_STATE
 from torchstash.packed import Packed
-from torchstash.registry import _EntryPoint
+from torchstash.registry import EntryPoint
 from torchstash.site import Site
 from torchstash.testing.models import zoo
 from torchstash.testing.toys import CloneCompressor
@@ -91,7 +91,7 @@ def faulty(monkeypatch: pytest.MonkeyPatch) -> str:
 
     module.register = register  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "torchstash_faulty", module)
-    point = _EntryPoint("faulty", "torchstash_faulty:register", DIST, VERSION, lambda: register)
+    point = EntryPoint("faulty", "torchstash_faulty:register", DIST, VERSION, lambda: register)
     monkeypatch.setattr(reg, "_entry_points", {**reg._entry_point_map(), "faulty": [point]})
     return "faulty.codec"
 
