@@ -6,7 +6,7 @@ import contextlib
 import math
 import os
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
+from rich.table import Table
 
 from torchstash.api import strategies as installed_strategies
 
@@ -150,3 +151,36 @@ def num_threads(n: int) -> Iterator[None]:
 
 
 # -- measuring ------------------------------------------------------------------------------
+
+
+#: a table column: its header and the cell it shows for a row
+Column = tuple[str, Callable[[Mapping[str, Any]], str]]
+
+
+def rows_table(
+    title: str,
+    columns: Sequence[Column],
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    left: int = 2,
+    failed: str | None = None,
+) -> Table:
+    """One row per row, one column per ``(header, cell)``: the first ``left`` columns (the
+    row's names) left-justified, the figures right. A row whose ``failed`` key is set shows
+    that text in its last cell and dashes in the figures."""
+    t = Table(title=title)
+    for i, (header, _) in enumerate(columns):
+        t.add_column(header, justify="left" if i < left else "right")
+    for r in rows:
+        why = r.get(failed) if failed else None
+        if why:
+            names = [cell(r) for _, cell in columns[:left]]
+            t.add_row(*names, *["-"] * (len(columns) - left - 1), str(why)[:60])
+        else:
+            t.add_row(*(cell(r) for _, cell in columns))
+    return t
+
+
+def key(name: str, spec: str = "", suffix: str = "") -> Callable[[Mapping[str, Any]], str]:
+    """The cell of column ``name``: the row's value formatted with ``spec``."""
+    return lambda r: f"{r[name]:{spec}}{suffix}"

@@ -39,6 +39,7 @@ from torchstash.policy import parse_spec
 from torchstash.testing.models import ZooEntry, zoo
 from torchstash_dropit import FILLS, SCOPES
 
+from .common import key, rows_table
 from .demo import build_model, lm_loss
 from .demo_task import DemoConfig, load_corpus, train_starts, windows
 
@@ -143,20 +144,11 @@ def error_vs_gamma(
 
 
 def error_table(rows: list[dict[str, Any]], steps: int) -> Table:
-    t = Table(
-        title=f"weight-gradient relative error, demo GPT after {steps} stock steps (CPU, fp32)"
-    )
-    for col in ("strategy", "scope", "fill", "gamma", *GROUPS, "all"):
-        t.add_column(col, justify="left" if col in ("strategy", "scope", "fill") else "right")
-    for r in rows:
-        t.add_row(
-            r["strategy"],
-            r["scope"],
-            r["fill"],
-            f"{r['gamma']:g}",
-            *(f"{r[g]:.3f}" for g in (*GROUPS, "all")),
-        )
-    return t
+    columns = [(c, key(c)) for c in ("strategy", "scope", "fill")]
+    columns += [("gamma", key("gamma", "g"))]
+    columns += [(g, key(g, ".3f")) for g in (*GROUPS, "all")]
+    title = f"weight-gradient relative error, demo GPT after {steps} stock steps (CPU, fp32)"
+    return rows_table(title, columns, rows, left=3)
 
 
 # -- one linear input's saved bytes ------------------------------------------------------------
@@ -213,13 +205,18 @@ def saved_bytes_table() -> list[dict[str, Any]]:
 
 
 def bytes_table(rows: list[dict[str, Any]]) -> Table:
-    t = Table(title="saved bytes of a Linear(256, 256) input (64, 128, 256), x dense")
-    for col in ("dtype", "gamma", "dropit.mink", "dropit.mink>quant.int8", "DropIT"):
-        t.add_column(col, justify="left" if col == "dtype" else "right")
-    for r in rows:
-        int8 = "not installed" if r["mink_int8"] is None else f"{r['mink_int8']:.3f}"
-        t.add_row(r["dtype"], f"{r['gamma']:g}", f"{r['mink']:.3f}", int8, f"{r['dropit']:.3f}")
-    return t
+    columns = [
+        ("dtype", key("dtype")),
+        ("gamma", key("gamma", "g")),
+        ("dropit.mink", key("mink", ".3f")),
+        (
+            "dropit.mink>quant.int8",
+            lambda r: "not installed" if r["mink_int8"] is None else f"{r['mink_int8']:.3f}",
+        ),
+        ("DropIT", key("dropit", ".3f")),
+    ]
+    title = "saved bytes of a Linear(256, 256) input (64, 128, 256), x dense"
+    return rows_table(title, columns, rows, left=1)
 
 
 # -- whole-model saved bytes on the bench zoo ------------------------------------------------
@@ -262,19 +259,16 @@ def _zoo_row(entry: ZooEntry, spec: str) -> dict[str, Any]:
 
 
 def zoo_table(rows: list[dict[str, Any]], scale: str) -> Table:
-    t = Table(title=f"whole-model saved bytes, bench zoo ({scale}), one step on CPU")
-    for col in ("model", "strategy", "stock MB", "saved MB", "x stock", "bf16: x stock"):
-        t.add_column(col, justify="left" if col in ("model", "strategy") else "right")
-    for r in rows:
-        t.add_row(
-            r["model"],
-            r["strategy"],
-            f"{r['raw_bytes'] / 1e6:.2f}",
-            f"{r['stored_bytes'] / 1e6:.2f}",
-            f"{r['ratio_fp32']:.3f}",
-            f"{r['ratio_bf16']:.3f}",
-        )
-    return t
+    columns = [
+        ("model", key("model")),
+        ("strategy", key("strategy")),
+        ("stock MB", lambda r: f"{r['raw_bytes'] / 1e6:.2f}"),
+        ("saved MB", lambda r: f"{r['stored_bytes'] / 1e6:.2f}"),
+        ("x stock", key("ratio_fp32", ".3f")),
+        ("bf16: x stock", key("ratio_bf16", ".3f")),
+    ]
+    title = f"whole-model saved bytes, bench zoo ({scale}), one step on CPU"
+    return rows_table(title, columns, rows)
 
 
 def demo(steps: int = 300, seed: int = 0, out: str = "demo-out/dropit") -> Any:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -32,7 +33,7 @@ from torch import nn
 
 from torchstash.api import apply
 
-from .common import MB, STOCK, error_text, split_names, strategy_names
+from .common import MB, STOCK, error_text, key, rows_table, split_names, strategy_names
 
 VOCAB = 128
 SEQ = 16
@@ -273,21 +274,17 @@ def measure_model(name: str, strategies: Sequence[str]) -> list[dict[str, Any]]:
 
 
 def _table(rows: list[dict[str, Any]]) -> Any:
-    from rich.table import Table
-
-    t = Table(title="torchstash on models users bring: one step on CPU, against stock")
-    for col in ("model", "strategy", "raw MB", "stored MB", "ratio", "cosine", "median cos"):
-        t.add_column(col, justify="left" if col in ("model", "strategy") else "right")
-    for r in rows:
-        if r["error"]:
-            t.add_row(r["model"], r["strategy"], "-", "-", "-", "-", r["error"][:40])
-            continue
-        ratio = r["raw_mb"] / r["stored_mb"] if r["stored_mb"] else float("inf")
-        t.add_row(
-            r["model"], r["strategy"], f"{r['raw_mb']:.2f}", f"{r['stored_mb']:.2f}",
-            f"{ratio:.2f}x", f"{r['cosine']:.4f}", f"{r['median_cosine']:.4f}",
-        )  # fmt: skip
-    return t
+    columns = [
+        ("model", key("model")),
+        ("strategy", key("strategy")),
+        ("raw MB", key("raw_mb", ".2f")),
+        ("stored MB", key("stored_mb", ".2f")),
+        ("ratio", lambda r: f"{r['raw_mb'] / r['stored_mb'] if r['stored_mb'] else math.inf:.2f}x"),
+        ("cosine", key("cosine", ".4f")),
+        ("median cos", key("median_cosine", ".4f")),
+    ]
+    title = "torchstash on models users bring: one step on CPU, against stock"
+    return rows_table(title, columns, rows, failed="error")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

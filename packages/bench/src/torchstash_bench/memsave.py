@@ -34,6 +34,8 @@ from torch import nn
 import torchstash as ts
 from torchstash.testing.models import ZooEntry, zoo
 
+from .common import key, rows_table
+
 PATTERNS = ("all", "input", "last", "norms", "bn-eval", "conv-bn-eval", "input-bn-eval")
 NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
@@ -176,23 +178,17 @@ def evaluate(
 
 
 def table(rows: list[dict[str, Any]], scale: str) -> Table:
-    t = Table(title=f"memsave on the bench zoo ({scale}), one step on CPU, against stock")
-    for col in ("model", "pattern", "stock MB", "memsave MB", "saved", "time", "grads"):
-        t.add_column(col, justify="left" if col in ("model", "pattern", "grads") else "right")
-    for r in rows:
-        if "skipped" in r:
-            t.add_row(r["model"], r["pattern"], "-", "-", "-", "-", r["skipped"])
-            continue
-        t.add_row(
-            r["model"],
-            r["pattern"],
-            f"{r['stock_bytes'] / 1e6:.2f}",
-            f"{r['memsave_bytes'] / 1e6:.2f}",
-            f"{(r['ratio'] - 1) * 100:+.0f}%",
-            f"{r['time_ratio']:.2f}x",
-            "bit-exact" if r["exact"] else "DIFFER",
-        )
-    return t
+    columns = [
+        ("model", key("model")),
+        ("pattern", key("pattern")),
+        ("stock MB", lambda r: f"{r['stock_bytes'] / 1e6:.2f}"),
+        ("memsave MB", lambda r: f"{r['memsave_bytes'] / 1e6:.2f}"),
+        ("saved", lambda r: f"{(r['ratio'] - 1) * 100:+.0f}%"),
+        ("time", key("time_ratio", ".2f", "x")),
+        ("grads", lambda r: "bit-exact" if r["exact"] else "DIFFER"),
+    ]
+    title = f"memsave on the bench zoo ({scale}), one step on CPU, against stock"
+    return rows_table(title, columns, rows, failed="skipped")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

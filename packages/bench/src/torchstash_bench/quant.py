@@ -23,6 +23,8 @@ from torchstash.errors import PolicyError
 from torchstash.policy import parse_spec
 from torchstash.testing.models import ZooEntry, zoo
 
+from .common import key, rows_table
+
 STRATEGIES = (
     "quant.int8",
     "quant.int4",
@@ -80,19 +82,16 @@ def evaluate(scale: str = "small", strategies: Sequence[str] = STRATEGIES) -> li
 
 
 def table(rows: list[dict[str, Any]], scale: str) -> Table:
-    t = Table(title=f"torchstash-quant on the bench zoo ({scale}), one step on CPU")
-    for col in ("model", "strategy", "vs fp32", "vs bf16", "grad cosine", "bf16 cosine"):
-        t.add_column(col, justify="left" if col in ("model", "strategy") else "right")
-    for r in rows:
-        t.add_row(
-            r["model"],
-            r["strategy"],
-            f"{r['ratio_fp32']:.2f}x",
-            f"{r['ratio_bf16']:.2f}x",
-            f"{r['grad_cosine']:.4f}",
-            f"{r['grad_cosine_bf16']:.4f}",
-        )
-    return t
+    columns = [
+        ("model", key("model")),
+        ("strategy", key("strategy")),
+        ("vs fp32", key("ratio_fp32", ".2f", "x")),
+        ("vs bf16", key("ratio_bf16", ".2f", "x")),
+        ("grad cosine", key("grad_cosine", ".4f")),
+        ("bf16 cosine", key("grad_cosine_bf16", ".4f")),
+    ]
+    title = f"torchstash-quant on the bench zoo ({scale}), one step on CPU"
+    return rows_table(title, columns, rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

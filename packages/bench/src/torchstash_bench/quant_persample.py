@@ -18,9 +18,10 @@ from collections.abc import Sequence
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from torchstash.testing.models import zoo
+
+from .common import key, rows_table
 
 #: Error factor per width, relative to ``R**2`` (1 bit: the levels are the group's ends).
 COST = {1: 1.3, 2: 1 / 9, 4: 1 / 225, 8: 1 / 65025}
@@ -84,18 +85,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torchstash_bench.quant_persample")
     parser.add_argument("--scale", default="small", choices=["tiny", "small", "base"])
     args = parser.parse_args(argv)
-    t = Table(title="per-sample widths: estimated error over one width per tensor (1 = no gain)")
-    for col in ("model", "width", "tensors", "mean", "best tensor"):
-        t.add_column(col, justify="left" if col == "model" else "right")
-    for r in gains(args.scale):
-        t.add_row(
-            str(r["model"]),
-            str(r["width"]),
-            str(r["tensors"]),
-            f"{r['mean']:.3f}",
-            f"{r['best']:.3f}",
-        )
-    Console().print(t)
+    columns = [
+        ("model", key("model")),
+        ("width", key("width")),
+        ("tensors", key("tensors")),
+        ("mean", key("mean", ".3f")),
+        ("best tensor", key("best", ".3f")),
+    ]
+    title = "per-sample widths: estimated error over one width per tensor (1 = no gain)"
+    Console().print(rows_table(title, columns, gains(args.scale), left=1))
     return 0
 
 

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from torchstash.testing.models import ZooEntry, zoo
 
-from .common import default_device, fmt, jsonable, num_threads, split_names
+from .common import default_device, fmt, jsonable, key, num_threads, rows_table, split_names
 from .compare_methods import CHECKPOINT, Attached, HeldCounter, Method, methods
 
 #: what the table measures by default: nothing compressed, the rewrites, the codes, and the
@@ -349,24 +349,17 @@ def _engine_time(engine: Any, step: Callable[[], None], steps: int) -> float:
 
 
 def speed_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
-    table = Table(title=title)
-    for col in ("model", "method", "step ms", "x stock", "us/saved", "engine us", "saved"):
-        table.add_column(col, justify="left" if col in ("model", "method") else "right")
-    for r in rows:
-        if r["error"]:
-            table.add_row(r["model"], r["method"], "-", "-", "-", "-", escape(r["error"][:60]))
-            continue
-        share = r["held_share"]
-        table.add_row(
-            r["model"],
-            r["method"],
-            fmt(r["step_ms"], ".2f"),
-            fmt(r["ratio"], ".2f", "x"),
-            "-" if r["method"] == "stock" else fmt(r["us_per_saved"], ".1f"),
-            fmt(r["engine_us_per_saved"], ".1f"),
-            "-" if share is None else f"{100 * share:.1f}%",
-        )
-    return table
+    columns = [
+        ("model", key("model")),
+        ("method", key("method")),
+        ("step ms", lambda r: fmt(r["step_ms"], ".2f")),
+        ("x stock", lambda r: fmt(r["ratio"], ".2f", "x")),
+        ("us/saved", lambda r: "-" if r["method"] == "stock" else fmt(r["us_per_saved"], ".1f")),
+        ("engine us", lambda r: fmt(r["engine_us_per_saved"], ".1f")),
+        ("saved", lambda r: "-" if r["held_share"] is None else f"{100 * r['held_share']:.1f}%"),
+    ]
+    failed = [{**r, "error": escape(r["error"])} if r["error"] else r for r in rows]
+    return rows_table(title, columns, failed, failed="error")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -242,6 +242,52 @@ def module_batch_norm(
     )
 
 
+def _keep_for_grads(
+    ctx: Any,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    need_x: bool,
+    need_w: bool,
+) -> tuple[Layout | None, Layout | None, Layout | None]:
+    """A norm's saves, kept only for the input and weight gradients (stock keeps them for a
+    bias gradient too): the input and statistics when either is asked for, the weight when
+    the input's is or the weight is a Parameter. Returns the layouts of what is not kept (the
+    input's, the statistics', the weight's), for :func:`_restore_for_grads`' stand-ins."""
+    keep = need_x or need_w
+    keep_w = weight is not None and (need_x or isinstance(weight, nn.Parameter))
+    ctx.save_for_backward(
+        x if keep else None,
+        mean if keep else None,
+        rstd if keep else None,
+        weight if keep_w else None,
+    )
+    return (
+        None if keep else Layout.of(x),
+        None if keep else Layout.of(mean),
+        None if keep_w else _layout_or_none(weight),
+    )
+
+
+def _restore_for_grads(
+    ctx: Any,
+    grad: torch.Tensor,
+    x_layout: Layout | None,
+    stat_layout: Layout | None,
+    w_layout: Layout | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What :func:`_keep_for_grads` kept, with stand-ins for the rest: for a bias-only
+    backward the gradient stands in for the input (no copy), one buffer for the statistics."""
+    x, mean, rstd, weight = ctx.saved_tensors
+    if x_layout is not None:
+        x = standin(x_layout, grad=grad)
+        mean = rstd = standin(stat_layout)  # type: ignore[arg-type]
+    if w_layout is not None:
+        weight = standin(w_layout)
+    return x, mean, rstd, weight
+
+
 class LayerNormFunction(torch.autograd.Function):
     """``aten.native_layer_norm`` keeping input and statistics only for the input/weight grads.
 
@@ -258,34 +304,16 @@ class LayerNormFunction(torch.autograd.Function):
         eps: float,
     ) -> torch.Tensor:
         out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
-        keep = need_x or need_w
-        keep_w = weight is not None and (need_x or isinstance(weight, nn.Parameter))
-        ctx.save_for_backward(
-            x if keep else None,
-            mean if keep else None,
-            rstd if keep else None,
-            weight if keep_w else None,
-        )
-        ctx.meta = (  # the layouts of what is not kept, for the stand-ins
-            None if keep else Layout.of(x),
-            None if keep else Layout.of(mean),
-            normalized_shape,
-            None if keep_w else _layout_or_none(weight),
-            _layout_or_none(bias),
-        )
+        need = ctx.needs_input_grad
+        layouts = _keep_for_grads(ctx, x, mean, rstd, weight, need[0], need[2])
+        ctx.meta = (layouts, normalized_shape, _layout_or_none(bias))
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, mean, rstd, weight = ctx.saved_tensors
-        x_layout, stat_layout, normalized_shape, w_layout, b_layout = ctx.meta
-        if x_layout is not None:  # bias only: the gradient stands in for the input (no copy)
-            x = standin(x_layout, grad=grad)
-            mean = rstd = standin(stat_layout)  # one value per row (made contiguous anyway)
-        if w_layout is not None:
-            weight = standin(w_layout)
+        layouts, normalized_shape, b_layout = ctx.meta
+        x, mean, rstd, weight = _restore_for_grads(ctx, grad, *layouts)
         # the bias is passed for its definedness and dtype only (stock passes the parameter)
         bias = None if b_layout is None else standin(b_layout)
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]]
@@ -349,19 +377,9 @@ class GroupNormFunction(torch.autograd.Function):
         n, c = x.shape[0], x.shape[1]
         hxw = math.prod(x.shape[2:])
         out, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, hxw, num_groups, eps)
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        keep = need_x or need_w
-        keep_w = weight is not None and (need_x or isinstance(weight, nn.Parameter))
-        ctx.save_for_backward(
-            x if keep else None,
-            mean if keep else None,
-            rstd if keep else None,
-            weight if keep_w else None,
-        )
-        ctx.meta = (  # the layouts of what is not kept, for the stand-ins
-            None if keep else Layout.of(x),
-            None if keep else Layout.of(mean),
-            None if keep_w else _layout_or_none(weight),
+        need = ctx.needs_input_grad
+        ctx.meta = (
+            _keep_for_grads(ctx, x, mean, rstd, weight, need[0], need[1]),
             (n, c, hxw, num_groups),
         )
         cpu = x.device.type == "cpu"
@@ -371,8 +389,7 @@ class GroupNormFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, mean, rstd, weight = ctx.saved_tensors
-        x_layout, stat_layout, w_layout, sizes = ctx.meta
+        layouts, sizes = ctx.meta
         if grad.device.type != "xpu":  # as stock's NativeGroupNormBackward0: the input's
             grad = grad.contiguous(memory_format=ctx.memory_format)  # format on CPU
         mask = list(ctx.needs_input_grad[:3])
@@ -381,11 +398,7 @@ class GroupNormFunction(torch.autograd.Function):
         # needs no grad): ask for the input gradient and drop it. The weight and bias
         # gradients do not depend on it.
         channels_last = ctx.memory_format != torch.contiguous_format
-        if x is None:  # bias only: the gradient stands in for the input (no copy, same path)
-            x = standin(x_layout, grad=grad)
-            mean = rstd = standin(stat_layout)  # N x groups values
-        if weight is None and w_layout is not None:
-            weight = standin(w_layout)
+        x, mean, rstd, weight = _restore_for_grads(ctx, grad, *layouts)  # grad: in its format
         gx, gw, gb = aten.native_group_norm_backward(
             grad, x, mean, rstd, weight, *sizes, [mask[0] or channels_last, *mask[1:]]
         )

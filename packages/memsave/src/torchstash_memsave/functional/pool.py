@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -193,40 +193,30 @@ def max_pool1d(
     return (out, indices) if return_indices else out
 
 
-def max_pool2d(
-    input: torch.Tensor,
-    kernel_size: IntOrSeq,
-    stride: IntOrSeq | None = None,
-    padding: IntOrSeq = 0,
-    dilation: IntOrSeq = 1,
-    ceil_mode: bool = False,
-    return_indices: bool = False,
-) -> Any:
-    """``F.max_pool2d``: keeps the in-window position of each max at 1-8 bits."""
-    if not needs_graph(input):
-        return F.max_pool2d(
-            input, kernel_size, stride, padding, dilation, ceil_mode, return_indices
-        )
-    out, indices = _max_pool(input, 2, kernel_size, stride, padding, dilation, ceil_mode)
-    return (out, indices) if return_indices else out
+def _max_pool_nd(nd: int, stock: Callable[..., Any]) -> Callable[..., Any]:
+    """``F.max_pool{nd}d`` (2 or 3) keeping the in-window position of each max."""
+
+    def max_pool(
+        input: torch.Tensor,
+        kernel_size: IntOrSeq,
+        stride: IntOrSeq | None = None,
+        padding: IntOrSeq = 0,
+        dilation: IntOrSeq = 1,
+        ceil_mode: bool = False,
+        return_indices: bool = False,
+    ) -> Any:
+        if not needs_graph(input):
+            return stock(input, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
+        out, indices = _max_pool(input, nd, kernel_size, stride, padding, dilation, ceil_mode)
+        return (out, indices) if return_indices else out
+
+    max_pool.__name__ = max_pool.__qualname__ = f"max_pool{nd}d"
+    max_pool.__doc__ = f"``F.max_pool{nd}d``: keeps the in-window position of each max at 1-8 bits."
+    return max_pool
 
 
-def max_pool3d(
-    input: torch.Tensor,
-    kernel_size: IntOrSeq,
-    stride: IntOrSeq | None = None,
-    padding: IntOrSeq = 0,
-    dilation: IntOrSeq = 1,
-    ceil_mode: bool = False,
-    return_indices: bool = False,
-) -> Any:
-    """``F.max_pool3d``: keeps the in-window position of each max at 1-8 bits."""
-    if not needs_graph(input):
-        return F.max_pool3d(
-            input, kernel_size, stride, padding, dilation, ceil_mode, return_indices
-        )
-    out, indices = _max_pool(input, 3, kernel_size, stride, padding, dilation, ceil_mode)
-    return (out, indices) if return_indices else out
+max_pool2d = _max_pool_nd(2, F.max_pool2d)
+max_pool3d = _max_pool_nd(3, F.max_pool3d)
 
 
 class AvgPoolFunction(torch.autograd.Function):
@@ -309,42 +299,31 @@ def avg_pool1d(
     return out.squeeze(-2)
 
 
-def avg_pool2d(
-    input: torch.Tensor,
-    kernel_size: IntOrSeq,
-    stride: IntOrSeq | None = None,
-    padding: IntOrSeq = 0,
-    ceil_mode: bool = False,
-    count_include_pad: bool = True,
-    divisor_override: int | None = None,
-) -> torch.Tensor:
-    """``F.avg_pool2d``: keeps nothing (stock: the input, for its sizes)."""
-    if not needs_graph(input):
-        return F.avg_pool2d(
-            input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
-        )
-    return _avg_pool(
-        input, 2, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
-    )
+def _avg_pool_nd(nd: int, stock: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    """``F.avg_pool{nd}d`` (2 or 3) keeping nothing."""
+
+    def avg_pool(
+        input: torch.Tensor,
+        kernel_size: IntOrSeq,
+        stride: IntOrSeq | None = None,
+        padding: IntOrSeq = 0,
+        ceil_mode: bool = False,
+        count_include_pad: bool = True,
+        divisor_override: int | None = None,
+    ) -> torch.Tensor:
+        args = (stride, padding, ceil_mode, count_include_pad, divisor_override)
+        if not needs_graph(input):
+            out: torch.Tensor = stock(input, kernel_size, *args)
+            return out
+        return _avg_pool(input, nd, kernel_size, *args)
+
+    avg_pool.__name__ = avg_pool.__qualname__ = f"avg_pool{nd}d"
+    avg_pool.__doc__ = f"``F.avg_pool{nd}d``: keeps nothing (stock: the input, for its sizes)."
+    return avg_pool
 
 
-def avg_pool3d(
-    input: torch.Tensor,
-    kernel_size: IntOrSeq,
-    stride: IntOrSeq | None = None,
-    padding: IntOrSeq = 0,
-    ceil_mode: bool = False,
-    count_include_pad: bool = True,
-    divisor_override: int | None = None,
-) -> torch.Tensor:
-    """``F.avg_pool3d``: keeps nothing (stock: the input, for its sizes)."""
-    if not needs_graph(input):
-        return F.avg_pool3d(
-            input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
-        )
-    return _avg_pool(
-        input, 3, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
-    )
+avg_pool2d = _avg_pool_nd(2, F.avg_pool2d)
+avg_pool3d = _avg_pool_nd(3, F.avg_pool3d)
 
 
 class AdaptiveAvgPoolFunction(torch.autograd.Function):
@@ -393,17 +372,24 @@ def adaptive_avg_pool1d(input: torch.Tensor, output_size: IntOrSeq) -> torch.Ten
     return _adaptive(input.unsqueeze(-2), [1, size]).squeeze(-2)
 
 
-def adaptive_avg_pool2d(input: torch.Tensor, output_size: OutputSize) -> torch.Tensor:
-    """``F.adaptive_avg_pool2d``: keeps nothing (stock: the input); 1x1 is stock's mean."""
-    size = _output_size(input, output_size, 2)
-    if not needs_graph(input) or size is None or size == [1, 1]:
-        return F.adaptive_avg_pool2d(input, output_size)
-    return _adaptive(input, size)
+def _adaptive_nd(nd: int, stock: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    """``F.adaptive_avg_pool{nd}d`` (2 or 3) keeping nothing; an output of ones is stock's
+    mean, which saves nothing already."""
+
+    def adaptive_avg_pool(input: torch.Tensor, output_size: OutputSize) -> torch.Tensor:
+        size = _output_size(input, output_size, nd)
+        if not needs_graph(input) or size is None or size == [1] * nd:
+            out: torch.Tensor = stock(input, output_size)
+            return out
+        return _adaptive(input, size)
+
+    adaptive_avg_pool.__name__ = adaptive_avg_pool.__qualname__ = f"adaptive_avg_pool{nd}d"
+    adaptive_avg_pool.__doc__ = (
+        f"``F.adaptive_avg_pool{nd}d``: keeps nothing (stock: the input); an output of ones "
+        "is stock's mean."
+    )
+    return adaptive_avg_pool
 
 
-def adaptive_avg_pool3d(input: torch.Tensor, output_size: OutputSize) -> torch.Tensor:
-    """``F.adaptive_avg_pool3d``: keeps nothing (stock: the input); 1x1x1 is stock's mean."""
-    size = _output_size(input, output_size, 3)
-    if not needs_graph(input) or size is None or size == [1, 1, 1]:
-        return F.adaptive_avg_pool3d(input, output_size)
-    return _adaptive(input, size)
+adaptive_avg_pool2d = _adaptive_nd(2, F.adaptive_avg_pool2d)
+adaptive_avg_pool3d = _adaptive_nd(3, F.adaptive_avg_pool3d)
