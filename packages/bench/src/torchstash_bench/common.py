@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import math
 import os
@@ -184,3 +185,23 @@ def rows_table(
 def key(name: str, spec: str = "", suffix: str = "") -> Callable[[Mapping[str, Any]], str]:
     """The cell of column ``name``: the row's value formatted with ``spec``."""
     return lambda r: f"{r[name]:{spec}}{suffix}"
+
+
+def megabytes(name: str) -> Callable[[Mapping[str, Any]], str]:
+    """The cell of a byte count ``name``, in MB."""
+    return lambda r: f"{r[name] / 1e6:.2f}"
+
+
+def zoo_arguments(
+    parser: argparse.ArgumentParser, strategies: Sequence[str] | None = None, hint: str = ""
+) -> None:
+    """``--scale`` of the zoo, ``--json``, and with ``strategies`` (the default list)
+    ``--strategies``: the arguments every figure tool of the zoo takes."""
+    parser.add_argument("--scale", default="small", choices=["tiny", "small", "base"])
+    if strategies is not None:
+        parser.add_argument(
+            "--strategies",
+            default=",".join(strategies),
+            help=f"comma-separated; options as name:key=value;key=value{hint}",
+        )
+    parser.add_argument("--json", default=None, help="also write the rows to this file")

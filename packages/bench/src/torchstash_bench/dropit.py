@@ -39,7 +39,7 @@ from torchstash.policy import parse_spec
 from torchstash.testing.models import ZooEntry, zoo
 from torchstash_dropit import FILLS, SCOPES
 
-from .common import key, rows_table
+from .common import key, megabytes, rows_table, zoo_arguments
 from .demo import build_model, lm_loss
 from .demo_task import DemoConfig, load_corpus, train_starts, windows
 
@@ -262,8 +262,8 @@ def zoo_table(rows: list[dict[str, Any]], scale: str) -> Table:
     columns = [
         ("model", key("model")),
         ("strategy", key("strategy")),
-        ("stock MB", lambda r: f"{r['raw_bytes'] / 1e6:.2f}"),
-        ("saved MB", lambda r: f"{r['stored_bytes'] / 1e6:.2f}"),
+        ("stock MB", megabytes("raw_bytes")),
+        ("saved MB", megabytes("stored_bytes")),
         ("x stock", key("ratio_fp32", ".3f")),
         ("bf16: x stock", key("ratio_bf16", ".3f")),
     ]
@@ -294,13 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--out", default="demo-out/dropit", help="folder for demo.json and demo.png")
     z = sub.add_parser("zoo", help="whole-model saved bytes on the bench zoo")
-    z.add_argument("--scale", default="small", choices=["tiny", "small", "base"])
-    z.add_argument(
-        "--strategies",
-        default=",".join(ZOO_STRATEGIES),
-        help="comma-separated; options as name:key=value;key=value",
-    )
-    z.add_argument("--json", default=None, help="also write the rows to this file")
+    zoo_arguments(z, ZOO_STRATEGIES)
     args = parser.parse_args(argv)
     console = Console()
     if args.what == "demo":

@@ -34,7 +34,7 @@ from torch import nn
 import torchstash as ts
 from torchstash.testing.models import ZooEntry, zoo
 
-from .common import key, rows_table
+from .common import key, megabytes, rows_table, zoo_arguments
 
 PATTERNS = ("all", "input", "last", "norms", "bn-eval", "conv-bn-eval", "input-bn-eval")
 NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
@@ -181,8 +181,8 @@ def table(rows: list[dict[str, Any]], scale: str) -> Table:
     columns = [
         ("model", key("model")),
         ("pattern", key("pattern")),
-        ("stock MB", lambda r: f"{r['stock_bytes'] / 1e6:.2f}"),
-        ("memsave MB", lambda r: f"{r['memsave_bytes'] / 1e6:.2f}"),
+        ("stock MB", megabytes("stock_bytes")),
+        ("memsave MB", megabytes("memsave_bytes")),
         ("saved", lambda r: f"{(r['ratio'] - 1) * 100:+.0f}%"),
         ("time", key("time_ratio", ".2f", "x")),
         ("grads", lambda r: "bit-exact" if r["exact"] else "DIFFER"),
@@ -193,11 +193,10 @@ def table(rows: list[dict[str, Any]], scale: str) -> Table:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torchstash_bench.memsave")
-    parser.add_argument("--scale", default="small", choices=["tiny", "small", "base"])
+    zoo_arguments(parser)
     parser.add_argument("--patterns", default=",".join(PATTERNS))
     parser.add_argument("--models", default="block,resnet,vit,gpt")
     parser.add_argument("--repeat", type=int, default=5, help="timed steps (median)")
-    parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
     patterns = [p for p in args.patterns.split(",") if p]
     for p in patterns:

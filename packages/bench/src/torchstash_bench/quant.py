@@ -23,7 +23,7 @@ from torchstash.errors import PolicyError
 from torchstash.policy import parse_spec
 from torchstash.testing.models import ZooEntry, zoo
 
-from .common import key, rows_table
+from .common import key, rows_table, zoo_arguments
 
 STRATEGIES = (
     "quant.int8",
@@ -96,13 +96,7 @@ def table(rows: list[dict[str, Any]], scale: str) -> Table:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torchstash_bench.quant")
-    parser.add_argument("--scale", default="small", choices=["tiny", "small", "base"])
-    parser.add_argument(
-        "--strategies",
-        default=",".join(STRATEGIES),
-        help="comma-separated; options as name:key=value;key=value (quant.auto:budget=3)",
-    )
-    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    zoo_arguments(parser, STRATEGIES, " (quant.auto:budget=3)")
     args = parser.parse_args(argv)
     try:
         rows = evaluate(args.scale, [s for s in args.strategies.split(",") if s])

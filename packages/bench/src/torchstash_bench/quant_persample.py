@@ -21,7 +21,7 @@ from rich.console import Console
 
 from torchstash.testing.models import zoo
 
-from .common import key, rows_table
+from .common import key, rows_table, zoo_arguments
 
 #: Error factor per width, relative to ``R**2`` (1 bit: the levels are the group's ends).
 COST = {1: 1.3, 2: 1 / 9, 4: 1 / 225, 8: 1 / 65025}
@@ -83,7 +83,7 @@ def gains(scale: str = "small", widths: Sequence[int] = (2, 4)) -> list[dict[str
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torchstash_bench.quant_persample")
-    parser.add_argument("--scale", default="small", choices=["tiny", "small", "base"])
+    zoo_arguments(parser)
     args = parser.parse_args(argv)
     columns = [
         ("model", key("model")),

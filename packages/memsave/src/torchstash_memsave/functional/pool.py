@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -193,6 +193,16 @@ def max_pool1d(
     return (out, indices) if return_indices else out
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _named(f: _F, name: str, what: str) -> _F:
+    """``f`` named as the ``F`` function it stands for, its docstring saying what it keeps."""
+    f.__name__ = f.__qualname__ = name
+    f.__doc__ = f"``F.{name}``: {what}."
+    return f
+
+
 def _max_pool_nd(nd: int, stock: Callable[..., Any]) -> Callable[..., Any]:
     """``F.max_pool{nd}d`` (2 or 3) keeping the in-window position of each max."""
 
@@ -210,9 +220,9 @@ def _max_pool_nd(nd: int, stock: Callable[..., Any]) -> Callable[..., Any]:
         out, indices = _max_pool(input, nd, kernel_size, stride, padding, dilation, ceil_mode)
         return (out, indices) if return_indices else out
 
-    max_pool.__name__ = max_pool.__qualname__ = f"max_pool{nd}d"
-    max_pool.__doc__ = f"``F.max_pool{nd}d``: keeps the in-window position of each max at 1-8 bits."
-    return max_pool
+    return _named(
+        max_pool, f"max_pool{nd}d", "keeps the in-window position of each max at 1-8 bits"
+    )
 
 
 max_pool2d = _max_pool_nd(2, F.max_pool2d)
@@ -317,9 +327,7 @@ def _avg_pool_nd(nd: int, stock: Callable[..., Any]) -> Callable[..., torch.Tens
             return out
         return _avg_pool(input, nd, kernel_size, *args)
 
-    avg_pool.__name__ = avg_pool.__qualname__ = f"avg_pool{nd}d"
-    avg_pool.__doc__ = f"``F.avg_pool{nd}d``: keeps nothing (stock: the input, for its sizes)."
-    return avg_pool
+    return _named(avg_pool, f"avg_pool{nd}d", "keeps nothing (stock: the input, for its sizes)")
 
 
 avg_pool2d = _avg_pool_nd(2, F.avg_pool2d)
@@ -383,12 +391,8 @@ def _adaptive_nd(nd: int, stock: Callable[..., Any]) -> Callable[..., torch.Tens
             return out
         return _adaptive(input, size)
 
-    adaptive_avg_pool.__name__ = adaptive_avg_pool.__qualname__ = f"adaptive_avg_pool{nd}d"
-    adaptive_avg_pool.__doc__ = (
-        f"``F.adaptive_avg_pool{nd}d``: keeps nothing (stock: the input); an output of ones "
-        "is stock's mean."
-    )
-    return adaptive_avg_pool
+    what = "keeps nothing (stock: the input); an output of ones is stock's mean"
+    return _named(adaptive_avg_pool, f"adaptive_avg_pool{nd}d", what)
 
 
 adaptive_avg_pool2d = _adaptive_nd(2, F.adaptive_avg_pool2d)
