@@ -16,6 +16,7 @@ from torchstash.site import Site
 from torchstash.testing import heap
 from torchstash.testing.models import zoo
 from torchstash_quant.auto import RECOMPUTED_OPS, AutoQuantizer, Need, allocate
+from torchstash_quant.groupcode import GroupCode
 from torchstash_quant.strategies import auto, quant
 
 GPT = next(e for e in zoo("tiny") if e.name == "gpt")
@@ -199,13 +200,13 @@ def test_first_step_stores_each_kind_where_quant_int_would(budget: int, start: i
     codec = auto(budget, seed=0)
     widths: dict[str, int] = {}
     values = codec.values  # type: ignore[attr-defined]
-    compress = values.codec.compress
+    compress_as = values.codec.compress_as
 
-    def spy(x: torch.Tensor, site: object, *, bits: int | None = None, **kw: object) -> object:
-        widths[f"{site.op}:{site.role}"] = bits  # type: ignore[attr-defined]
-        return compress(x, site, bits=bits, **kw)
+    def spy(x: torch.Tensor, site: object, code: GroupCode) -> object:
+        widths[f"{site.op}:{site.role}"] = code.bits  # type: ignore[attr-defined]
+        return compress_as(x, site, code)
 
-    values.codec.compress = spy
+    values.codec.compress_as = spy
     engine = Engine(lambda site, types: codec, min_bytes=0)  # type: ignore[arg-type,return-value]
     x = torch.randn(32, 64)
     for step in range(2):

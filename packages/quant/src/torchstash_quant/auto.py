@@ -58,6 +58,7 @@ from torchstash.site import Site
 
 from ._options import BITS, check_group_size
 from .centered import center_rows
+from .groupcode import OWN, GroupCode
 from .groupwise import GroupQuantizer
 from .rows import PLANE_NORM_OPS, ROW_NORM_OPS
 
@@ -204,9 +205,6 @@ class AutoQuantizer(BaseCompressor):
     """Per-group stochastic quantization with bits chosen per site under an average budget."""
 
     lossless = False
-    aligns_groups = True
-    #: :meth:`compress` takes ``rows=`` (see :class:`GroupQuantizer`)
-    centers_rows = True
 
     def __init__(
         self,
@@ -336,33 +334,30 @@ class AutoQuantizer(BaseCompressor):
 
     # -- codec ---------------------------------------------------------------------------------
 
-    def compress(
-        self,
-        x: torch.Tensor,
-        site: Site,
-        *,
-        bits: int | None = None,
-        group_size: int | None = None,
-        rows: int | None = None,
-    ) -> Packed:
-        """``rows``: as :meth:`GroupQuantizer.compress` (one kernel call), except in a
-        measured step, whose statistics are of the centered values themselves."""
+    def compress(self, x: torch.Tensor, site: Site) -> Packed:
+        return self.compress_as(x, site, OWN)
+
+    def compress_as(self, x: torch.Tensor, site: Site, code: GroupCode) -> Packed:
+        """A :class:`~.groupcode.GroupCodec`: ``code.bits`` fixes the width (else the
+        allocation's); ``code.rows`` as :meth:`GroupQuantizer.compress_as` (one kernel call),
+        except in a measured step, whose statistics are of the centered values themselves."""
+        rows, group_size = code.rows, code.group_size
         key = site.key
         with self._lock:
             if key in self._seen:
                 self._next_step()
             self._seen.add(key)
             measuring = self._measuring
-            width = bits or self._width(x, site)
+            width = code.bits or self._width(x, site)
             self._running.add(x.numel(), width)
         if rows is not None and measuring and x.numel() > 0:
             centered, offsets, constant, _ = center_rows(x, rows)
-            packed = self.codec.compress(centered, site, bits=width, group_size=group_size)
+            packed = self.codec.compress_as(centered, site, GroupCode(width, group_size))
             self._measure(centered, site, packed, width, group_size is not None)
             packed.tensors.update(offset=offsets, constant=constant)
             packed.dtype = x.dtype
             return packed
-        packed = self.codec.compress(x, site, bits=width, group_size=group_size, rows=rows)
+        packed = self.codec.compress_as(x, site, GroupCode(width, group_size, rows))
         if measuring and x.numel() > 0:
             self._measure(x, site, packed, width, group_size is not None)
         return packed

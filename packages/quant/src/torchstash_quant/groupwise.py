@@ -26,18 +26,18 @@ from torchstash.site import Site
 from ._dtypes import dtype_reasons
 from ._options import check_bits, check_group_size
 from .centered import center_rows
+from .groupcode import OWN, GroupCode
 
 
 class GroupQuantizer(BaseCompressor):
+    """A :class:`~.groupcode.GroupCodec`: :meth:`compress_as` codes a tensor at another width,
+    group size or with its rows centered (:mod:`.centered`, one kernel call, undone by
+    :meth:`decompress_rows`)."""
+
     lossless = False
-    #: :meth:`compress` takes ``bits=`` and ``group_size=`` per tensor
-    aligns_groups = True
     #: where no group size fits a normalization's rows, its groups span rows with one step:
     #: the rows are scaled to one range first (.centered)
     scales_rows = True
-    #: :meth:`compress` takes ``rows=``: rows centered on their offsets (.centered) and coded
-    #: in one kernel call, undone by :meth:`decompress_rows`
-    centers_rows = True
     #: reads nothing of the call; a 1-bit code widened for NaN takes other bytes, and the
     #: engine's replay checks a code's bytes against its recording's
     replays = True
@@ -59,28 +59,24 @@ class GroupQuantizer(BaseCompressor):
     def unsupported(self, x: torch.Tensor, site: Site) -> list[str]:
         return dtype_reasons(self, self.name, x.dtype)
 
-    def compress(
-        self,
-        x: torch.Tensor,
-        site: Site,
-        *,
-        bits: int | None = None,
-        group_size: int | None = None,
-        rows: int | None = None,
-    ) -> Packed:
-        """``bits`` and ``group_size`` override the codec's own for this tensor (mixed
+    def compress(self, x: torch.Tensor, site: Site) -> Packed:
+        return self.compress_as(x, site, OWN)
+
+    def compress_as(self, x: torch.Tensor, site: Site, code: GroupCode) -> Packed:
+        """``code``'s width and group size override the codec's own for this tensor (mixed
         precision, groups aligned to normalized rows); both are kept in the record. With
-        ``rows``, ``x`` less each ``rows``-element row's offset is coded (:mod:`.centered`),
-        the offsets and constant flags in the record too: one kernel call
+        ``code.rows``, ``x`` less each row's offset is coded (:mod:`.centered`), the offsets
+        and constant flags in the record too: one kernel call
         (:func:`~torchstash.kernels.row_group_quantize`) where two wrote and read the
         centered values."""
-        bits = bits or self.bits
-        group_size = group_size or self.group_size
+        bits = code.bits or self.bits
+        group_size = code.group_size or self.group_size
+        rows = code.rows
         if rows is not None and bits > 1:
             return self._compress_rows(x, rows, bits, group_size)
         if rows is not None:  # 1 bit may go to 2 (below): centered values first
             centered, offsets, constant, _ = center_rows(x, rows)
-            packed = self.compress(centered, site, bits=bits, group_size=group_size)
+            packed = self.compress_as(centered, site, GroupCode(bits, group_size))
             packed.tensors.update(offset=offsets, constant=constant)
             packed.dtype = x.dtype
             return packed

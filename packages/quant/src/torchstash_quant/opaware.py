@@ -27,6 +27,7 @@ the op's output from them when the next op saves it (:mod:`torchstash.derive`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -39,6 +40,7 @@ from ._dtypes import dtype_reasons
 from .centered import MIN_CENTERED_ROW, center_rows, uncenter
 from .derivs import ACT_OPS, DERIV_OPS, DerivCoder, unpack_derivative
 from .derivs import CODEC as DERIV_CODEC
+from .groupcode import GroupCode, GroupCodec
 from .groupwise import GroupQuantizer
 from .masks import (
     DROPOUT_OPS,
@@ -72,6 +74,30 @@ SDPA_REASON = (
 SIGN_CODEC = "quant.sign"
 
 
+def _pool_positions(x: torch.Tensor, site: Site) -> Packed | torch.Tensor:
+    """A max pool's indices as in-window positions (:mod:`.pool`), where its geometry is known."""
+    geometry = site.recalled or pool_geometry(site.opcall.args, dict(site.opcall.kwargs))
+    packed = None if geometry is None else pack_pool_positions(x, geometry)
+    return x if packed is None else packed
+
+
+#: The exact codes, by the kind of save :meth:`OpAware.variant` finds: what each packs.
+EXACT_ENCODERS: dict[str, Callable[[torch.Tensor, Site], Packed | torch.Tensor]] = {
+    "bool": lambda x, site: pack_bool(x),
+    "sign": lambda x, site: pack_signs(x, SIGN_CODEC),
+    "dropmask": lambda x, site: pack_scaled_mask(x),
+    "pool": _pool_positions,
+}
+#: What decodes each code that is not a value code, by the codec name its record carries.
+EXACT_DECODERS: dict[str, Callable[[Packed], torch.Tensor]] = {
+    "quant.bool": unpack_bool,
+    SIGN_CODEC: unpack_signs,
+    "quant.scaled_mask": unpack_scaled_mask,
+    DERIV_CODEC: unpack_derivative,
+    POOL_CODEC: unpack_pool_positions,
+}
+
+
 #: Width of the operands of attention's scores (``q @ k.T``). The engine recomputes the
 #: attention map from them in backward (:mod:`torchstash.derive`) instead of storing it:
 #: a softmax's backward, ``P * (dP - sum(P * dP))``, cancels almost exactly where a row is
@@ -83,7 +109,7 @@ SIGN_CODEC = "quant.sign"
 SCORES_BITS = 8
 
 
-def scores_codec(values: Compressor) -> GroupQuantizer:
+def scores_codec(values: Compressor) -> GroupCodec:
     """8-bit codes rounded to nearest, in the value codec's group size and name. Stochastic
     rounding's noise, twice the variance, took ``k``'s weight gradient cosine on an SDPA GPT
     trained 300 steps from 0.99 to 0.69: the logits' error is exponentiated (and unbiased
@@ -153,9 +179,12 @@ class OpAware(BaseCompressor):
         attn_bits: int | None = None,
         act_bits: int | None = None,
         derive: bool = False,
-        scores: Compressor | None = None,
+        scores: GroupCodec | None = None,
     ) -> None:
         self.values = values
+        #: the value codec where it codes a tensor as a GroupCode says (groups aligned to
+        #: rows, a width per tensor, rows centered): see :mod:`.groupcode`
+        self.group = values if isinstance(values, GroupCodec) else None
         #: the code of attention's scores' operands, ``q`` and ``k`` (see :data:`SCORES_BITS`)
         self.scores = scores or scores_codec(values)
         self.norms = norms
@@ -172,15 +201,13 @@ class OpAware(BaseCompressor):
         self.derive = derive
         self.name = values.name
         self.composable = getattr(values, "composable", None)
-        #: the value codec takes ``group_size=`` per tensor (see :meth:`_compress_centered`)
-        self._aligns = bool(getattr(values, "aligns_groups", False))
 
     def _aligned(self, run: int | None) -> int | None:
         """A group size near the codec's whose groups stay inside runs of ``run`` elements,
-        when the value codec takes ``group_size=`` per tensor."""
-        if not self._aligns:
+        when the value codec takes a group size per tensor."""
+        if self.group is None:
             return None
-        return aligned_group_size(run, getattr(self.values, "group_size", 256))
+        return aligned_group_size(run, self.group.group_size)
 
     def _row_group_size(self, x: torch.Tensor) -> int | None:
         """A group size that keeps each group inside one row (innermost dimension), where
@@ -189,8 +216,9 @@ class OpAware(BaseCompressor):
         if x.dim() < 2 or x.stride(-1) != 1:
             return None
         aligned = self._aligned(int(x.shape[-1]))
-        group_size = getattr(self.values, "group_size", 256)
-        return aligned if aligned is not None and 2 * aligned >= group_size else None
+        if aligned is None or self.group is None:
+            return None
+        return aligned if 2 * aligned >= self.group.group_size else None
 
     def variant(self, x: torch.Tensor, site: Site) -> str:
         if x.dtype == torch.bool:
@@ -203,7 +231,7 @@ class OpAware(BaseCompressor):
             return "dropmask"
         if (
             self.act_bits is not None
-            and self._aligns
+            and self.group is not None
             and site.op in ACT_OPS
             and site.role == "input"
             and x.is_floating_point()
@@ -221,7 +249,7 @@ class OpAware(BaseCompressor):
         part = attention_part(x, site) if x.is_floating_point() else ""
         if part == "scores":
             return "scores"
-        if part and self.attn_bits is not None and self._aligns:
+        if part and self.attn_bits is not None and self.group is not None:
             return "attn"
         return ""
 
@@ -309,16 +337,9 @@ class OpAware(BaseCompressor):
 
     def compress(self, x: torch.Tensor, site: Site) -> Packed | torch.Tensor:
         kind = self.variant(x, site)
-        if kind == "bool":
-            return pack_bool(x)
-        if kind == "sign":
-            return pack_signs(x, SIGN_CODEC)
-        if kind == "dropmask":
-            return pack_scaled_mask(x)
-        if kind == "pool":
-            geometry = site.recalled or pool_geometry(site.opcall.args, dict(site.opcall.kwargs))
-            packed = None if geometry is None else pack_pool_positions(x, geometry)
-            return x if packed is None else packed
+        exact = EXACT_ENCODERS.get(kind)
+        if exact is not None:
+            return exact(x, site)
         if kind == "deriv":
             assert self.derivs is not None
             return self.derivs.pack(x, site)
@@ -336,23 +357,20 @@ class OpAware(BaseCompressor):
             return self._compress_centered(x, site, run)
         rows = self._row_group_size(x)
         if kind == "scores":
-            packed = self.scores.compress(x, site, group_size=rows)  # type: ignore[call-arg]
-            if isinstance(packed, Packed):
-                packed.meta["scores"] = True
-                told = getattr(self.values, "fixed_width", None)
-                if told is not None:  # a budget (quant.auto's) counts these bits too
-                    told(x, site, getattr(self.scores, "bits", SCORES_BITS))
+            packed = self.scores.compress_as(x, site, GroupCode(group_size=rows))
+            packed.meta["scores"] = True
+            told = getattr(self.values, "fixed_width", None)
+            if told is not None:  # a budget (quant.auto's) counts these bits too
+                told(x, site, getattr(self.scores, "bits", SCORES_BITS))
             return packed
-        if self._aligns and attention_part(x, site) == "map":
+        if self.group is None:  # variant() gives "attn" and "act" only to a group codec
+            return self.values.compress(x, site)
+        if attention_part(x, site) == "map":
             # a map stored after all (no recipe reached it): not below q's and k's width
             widest = max(SCORES_BITS, self.attn_bits or 0)
-            return self.values.compress(x, site, bits=widest, group_size=rows)  # type: ignore[call-arg]
-        if kind in ("attn", "act"):
-            bits = self.attn_bits if kind == "attn" else self.act_bits
-            return self.values.compress(x, site, bits=bits, group_size=rows)  # type: ignore[call-arg]
-        if rows is not None:
-            return self.values.compress(x, site, group_size=rows)  # type: ignore[call-arg]
-        return self.values.compress(x, site)
+            return self.group.compress_as(x, site, GroupCode(widest, rows))
+        bits = {"attn": self.attn_bits, "act": self.act_bits}.get(kind)
+        return self.group.compress_as(x, site, GroupCode(bits, rows))
 
     def _centered_layout(self, x: torch.Tensor, site: Site) -> tuple[bool, int] | None:
         """How a normalization input is laid out in rows that share a statistic: (stored
@@ -370,21 +388,16 @@ class OpAware(BaseCompressor):
         in row-aligned groups where the codec takes them, else by the ``norms`` codec or the
         codec itself."""
         aligned = self._aligned(run)
-        if aligned is not None and getattr(self.values, "centers_rows", False):
-            packed = self.values.compress(  # type: ignore[call-arg]
-                x, site, group_size=aligned, bits=self._stand_in_bits(site), rows=run
-            )  # one kernel call: the centering is the codec's
+        if aligned is not None and self.group is not None:
+            code = GroupCode(self._stand_in_bits(site), aligned, run)
+            packed = self.group.compress_as(x, site, code)  # one kernel call: the codec centers
             packed.meta["centered"] = True
             packed.dtype = x.dtype
             return packed
-        codec = self.values if aligned is not None or self.norms is None else self.norms
-        scale = aligned is None and bool(getattr(codec, "scales_rows", False))
+        codec = self.values if self.norms is None else self.norms
+        scale = bool(getattr(codec, "scales_rows", False))
         centered, offsets, constant, scales = center_rows(x, run, scale)
-        if aligned is not None:
-            packed = self.values.compress(  # type: ignore[call-arg]
-                centered, site, group_size=aligned, bits=self._stand_in_bits(site)
-            )
-        elif self.norms is not None:
+        if self.norms is not None:
             packed = self.norms.compress(centered, site)
             if isinstance(packed, Packed):
                 packed.meta["norm"] = True
@@ -403,16 +416,9 @@ class OpAware(BaseCompressor):
     def decompress(self, packed: Packed) -> torch.Tensor:
         if packed.meta.get("centered"):
             return self._decompress_centered(packed)
-        if packed.codec == "quant.bool":
-            return unpack_bool(packed)
-        if packed.codec == SIGN_CODEC:
-            return unpack_signs(packed)
-        if packed.codec == "quant.scaled_mask":
-            return unpack_scaled_mask(packed)
-        if packed.codec == DERIV_CODEC:
-            return unpack_derivative(packed)
-        if packed.codec == POOL_CODEC:
-            return unpack_pool_positions(packed)
+        exact = EXACT_DECODERS.get(packed.codec)
+        if exact is not None:  # what was packed says which code decodes it
+            return exact(packed)
         if packed.meta.get("norm") and self.norms is not None:
             return self.norms.decompress(packed)
         if packed.meta.get("scores"):
@@ -426,10 +432,9 @@ class OpAware(BaseCompressor):
         shape, major = packed.shape, bool(packed.meta.get("channel_major"))
         if major:
             shape = torch.Size([shape[1], shape[0], *shape[2:]])
-        restore_rows = getattr(self.values, "decompress_rows", None)
         fused = "row_scale" not in packed.tensors and not packed.meta.get("norm")
-        if fused and restore_rows is not None and not packed.meta.get("scores"):
-            x = restore_rows(packed, shape)
+        if fused and self.group is not None and not packed.meta.get("scores"):
+            x = self.group.decompress_rows(packed, shape)
             return x.transpose(0, 1) if major else x
         tensors = dict(packed.tensors)
         offsets, constant = tensors.pop("offset"), tensors.pop("constant")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -107,23 +109,9 @@ def quant(
     )
 
 
-def _fixed(bits: int) -> object:
-    def factory(
-        group_size: int = 256,
-        stochastic: bool = True,
-        seed: int | None = None,
-        norm_bits: int | str | None = "auto",
-        deriv_bits: int | str | None = "auto",
-        attn_bits: int | str | None = "auto",
-        act_bits: int | str | None = "auto",
-        derive: bool = True,
-    ) -> OpAware:
-        return quant(
-            bits, group_size, stochastic, seed, norm_bits, deriv_bits, attn_bits, act_bits, derive
-        )
-
-    factory.__name__ = f"int{bits}"
-    return factory
+def _fixed(bits: int) -> Callable[..., OpAware]:
+    """``quant`` at ``bits``: every option of :func:`quant` but the width."""
+    return functools.partial(quant, bits)
 
 
 def mesa(
@@ -193,7 +181,7 @@ def level(name: str, group_size: int = 256, seed: int | None = None) -> Compress
     return codec
 
 
-def _level_factory(name: str) -> object:
+def _level_factory(name: str) -> Callable[..., object]:
     def build(group_size: int = 256, seed: int | None = None) -> object:
         codec = level(name, group_size, seed)
         return AS_IS if codec is None else codec  # L0: a factory's None is an error
@@ -213,7 +201,7 @@ def register(registry: Registry) -> None:
     for bits in (8, 4, 2, 1):
         registry.register(
             f"quant.int{bits}",
-            _fixed(bits),  # type: ignore[arg-type]
+            _fixed(bits),
             lossless=False,
             summary=f"{bits}-bit per-group stochastic quantization (ActNN/GACT scheme, fused)",
             candidate=bits >= 2,  # a memory budget tries int8, int4, int2
@@ -233,7 +221,7 @@ def register(registry: Registry) -> None:
     for name in LEVELS:
         registry.register(
             f"quant.{name}",
-            _level_factory(name),  # type: ignore[arg-type]
+            _level_factory(name),
             lossless=name == "L0",
             summary=SUMMARIES[name],
             preset=True,
