@@ -15,7 +15,8 @@ from torchstash.errors import OptionError
 from torchstash.site import Site
 from torchstash.testing import heap
 from torchstash.testing.models import zoo
-from torchstash_quant.auto import RECOMPUTED_OPS, AutoQuantizer, Need, allocate
+from torchstash_quant.allocation import Need, allocate
+from torchstash_quant.auto import RECOMPUTED_OPS, AutoQuantizer
 from torchstash_quant.groupcode import GroupCode
 from torchstash_quant.strategies import auto, quant
 
