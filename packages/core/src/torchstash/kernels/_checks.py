@@ -1,7 +1,9 @@
-"""Argument checks shared by the references and the dispatchers.
-
-Both paths raise the same Python exceptions with the same messages, whichever
-implementation ends up running.
+"""The rules of the kernels' arguments, each said once: what the dispatchers check before
+either implementation runs (the same exceptions and messages whichever runs), and what the
+fake kernels check while ``torch.compile`` traces (:func:`traced_bits`, :func:`traced_float`,
+:func:`traced_count`: the same allowed values, the same words). The C++ ops check them a
+third time (``csrc/bindings/checks.h``); ``tests/test_kernel_args.py`` holds all three to
+these rules, op by op.
 """
 
 from __future__ import annotations
@@ -9,13 +11,85 @@ from __future__ import annotations
 import torch
 
 BITS = (1, 2, 4, 8)
+#: The floating-point dtypes the float ops read and write.
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FLOATS = "float32, float16, bfloat16"
 _U64 = 1 << 64
+
+
+def _bits_text(bits: object) -> str:
+    return f"bits={bits!r} is not supported; allowed values are 1, 2, 4, 8"
+
+
+def _float_text(name: str, got: object) -> str:
+    return f"{name} must be one of {_FLOATS}, got {got}"
+
+
+def _count_text(name: str, value: object, low: int, usual: str) -> str:
+    return f"{name} must be an int >= {low}{usual}, got {value!r}"
 
 
 def check_bits(bits: int, *, op: str) -> int:
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
-        raise ValueError(f"{op}: bits={bits!r} is not supported; allowed values are 1, 2, 4, 8")
+        raise ValueError(f"{op}: {_bits_text(bits)}")
     return bits
+
+
+def check_tensor(t: object, name: str, *, op: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def check_float_dtype(dtype: object, name: str, *, op: str) -> None:
+    """``dtype`` (a tensor's, or an output's) one of :data:`FLOAT_DTYPES`."""
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: {_float_text(name, dtype)}; convert with .float()")
+
+
+def check_float_tensor(t: object, name: str, *, op: str) -> torch.Tensor:
+    check_float_dtype(check_tensor(t, name, op=op).dtype, name, op=op)
+    assert isinstance(t, torch.Tensor)
+    return t
+
+
+def check_count(value: object, name: str, *, op: str, low: int = 1, hint: str = "") -> int:
+    """An int of at least ``low`` (not a bool); ``hint`` says what it counts."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        tail = f"; {hint}" if hint else ""
+        raise ValueError(f"{op}: {_count_text(name, value, low, '')}{tail}")
+    return value
+
+
+def check_group_size(group_size: object, *, op: str) -> int:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"{op}: {_count_text('group_size', group_size, 1, ' (256 is usual)')}")
+    return group_size
+
+
+def check_flag(value: object, name: str, *, op: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+# -- the same rules while torch.compile traces (the fake kernels) ------------------------------
+
+
+def traced_bits(bits: int) -> None:
+    torch._check(bits in BITS, lambda: _bits_text(bits))
+
+
+def traced_float(dtype: torch.dtype, name: str) -> None:
+    torch._check(dtype in FLOAT_DTYPES, lambda: _float_text(name, dtype))
+
+
+def traced_count(value: int, name: str, low: int = 1) -> None:
+    torch._check(value >= low, lambda: _count_text(name, value, low, ""))
+
+
+def traced_dtype(t: torch.Tensor, name: str, dtype: torch.dtype) -> None:
+    torch._check(t.dtype == dtype, lambda: f"{name} must be {dtype}, got {t.dtype}")
 
 
 def check_numel(numel: int, *, op: str) -> int:

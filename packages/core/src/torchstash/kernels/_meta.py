@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import FLOAT_DTYPES, traced_bits, traced_count, traced_dtype, traced_float
+
 _registered = False
 
 
 def _pack_bits_fake(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    torch._check(bits in (1, 2, 4, 8), lambda: f"bits must be one of 1, 2, 4, 8, got {bits}")
+    traced_bits(bits)
     torch._check(
         codes.dtype in (torch.uint8, torch.bool),
         lambda: f"codes must be uint8 or bool, got {codes.dtype}",
@@ -22,26 +24,21 @@ def _pack_bits_fake(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _unpack_bits_fake(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    torch._check(bits in (1, 2, 4, 8), lambda: f"bits must be one of 1, 2, 4, 8, got {bits}")
-    torch._check(packed.dtype == torch.uint8, lambda: f"packed must be uint8, got {packed.dtype}")
+    traced_bits(bits)
+    traced_dtype(packed, "packed", torch.uint8)
     return packed.new_empty((numel,))
 
 
 def _philox_uniform_fake(out: torch.Tensor, seed: int, offset: int) -> None:
-    torch._check(out.dtype == torch.float32, lambda: f"out must be float32, got {out.dtype}")
-
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+    traced_dtype(out, "out", torch.float32)
 
 
 def _group_quantize_fake(
     x: torch.Tensor, bits: int, group_size: int, seed: int, stochastic: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    torch._check(bits in (1, 2, 4, 8), lambda: f"bits must be one of 1, 2, 4, 8, got {bits}")
-    torch._check(group_size >= 1, lambda: f"group_size must be >= 1, got {group_size}")
-    torch._check(
-        x.dtype in _FLOATS, lambda: f"x must be float32, float16 or bfloat16, got {x.dtype}"
-    )
+    traced_bits(bits)
+    traced_count(group_size, "group_size")
+    traced_float(x.dtype, "x")
     n, per = x.numel(), 8 // bits
     groups = (n + group_size - 1) // group_size
     return (
@@ -60,22 +57,18 @@ def _group_dequantize_fake(
     numel: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    torch._check(bits in (1, 2, 4, 8), lambda: f"bits must be one of 1, 2, 4, 8, got {bits}")
-    torch._check(packed.dtype == torch.uint8, lambda: f"packed must be uint8, got {packed.dtype}")
-    torch._check(
-        dtype in _FLOATS, lambda: f"dtype must be float32, float16 or bfloat16, got {dtype}"
-    )
+    traced_bits(bits)
+    traced_dtype(packed, "packed", torch.uint8)
+    traced_float(dtype, "dtype")
     return packed.new_empty((numel,), dtype=dtype)
 
 
 def _channel_minmax_fake(
     x: torch.Tensor, inner: int, channels: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    torch._check(
-        x.dtype in _FLOATS, lambda: f"x must be float32, float16 or bfloat16, got {x.dtype}"
-    )
-    torch._check(inner >= 1, lambda: f"inner must be >= 1, got {inner}")
-    torch._check(channels >= 1, lambda: f"channels must be >= 1, got {channels}")
+    traced_float(x.dtype, "x")
+    traced_count(inner, "inner")
+    traced_count(channels, "channels")
     return (
         x.new_empty((channels,), dtype=torch.float32),
         x.new_empty((channels,), dtype=torch.float32),
@@ -85,35 +78,29 @@ def _channel_minmax_fake(
 def _channel_quantize_fake(
     x: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, inner: int, seed: int, stochastic: bool
 ) -> torch.Tensor:
-    torch._check(
-        x.dtype in _FLOATS, lambda: f"x must be float32, float16 or bfloat16, got {x.dtype}"
-    )
-    torch._check(lo.dtype == torch.float32, lambda: f"lo must be float32, got {lo.dtype}")
-    torch._check(step.dtype == torch.float32, lambda: f"step must be float32, got {step.dtype}")
-    torch._check(inner >= 1, lambda: f"inner must be >= 1, got {inner}")
+    traced_float(x.dtype, "x")
+    traced_dtype(lo, "lo", torch.float32)
+    traced_dtype(step, "step", torch.float32)
+    traced_count(inner, "inner")
     return x.new_empty((x.numel(),), dtype=torch.uint8)
 
 
 def _channel_dequantize_fake(
     codes: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, inner: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    torch._check(codes.dtype == torch.uint8, lambda: f"codes must be uint8, got {codes.dtype}")
-    torch._check(lo.dtype == torch.float32, lambda: f"lo must be float32, got {lo.dtype}")
-    torch._check(step.dtype == torch.float32, lambda: f"step must be float32, got {step.dtype}")
-    torch._check(inner >= 1, lambda: f"inner must be >= 1, got {inner}")
-    torch._check(
-        dtype in _FLOATS, lambda: f"dtype must be float32, float16 or bfloat16, got {dtype}"
-    )
+    traced_dtype(codes, "codes", torch.uint8)
+    traced_dtype(lo, "lo", torch.float32)
+    traced_dtype(step, "step", torch.float32)
+    traced_count(inner, "inner")
+    traced_float(dtype, "dtype")
     return codes.new_empty((codes.numel(),), dtype=dtype)
 
 
 def _row_center_fake(
     x: torch.Tensor, run: int, scale: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    torch._check(
-        x.dtype in _FLOATS, lambda: f"x must be float32, float16 or bfloat16, got {x.dtype}"
-    )
-    torch._check(run >= 1, lambda: f"run must be >= 1, got {run}")
+    traced_float(x.dtype, "x")
+    traced_count(run, "run")
     rows = x.numel() // run
     return (
         x.new_empty((x.numel(),), dtype=torch.float32),
@@ -131,20 +118,16 @@ def _row_uncenter_fake(
     run: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    torch._check(
-        decoded.dtype == torch.float32, lambda: f"decoded must be float32, got {decoded.dtype}"
-    )
-    torch._check(run >= 1, lambda: f"run must be >= 1, got {run}")
-    torch._check(
-        dtype in _FLOATS, lambda: f"dtype must be float32, float16 or bfloat16, got {dtype}"
-    )
+    traced_dtype(decoded, "decoded", torch.float32)
+    traced_count(run, "run")
+    traced_float(dtype, "dtype")
     return decoded.new_empty((decoded.numel(),), dtype=dtype)
 
 
 def _row_group_quantize_fake(
     x: torch.Tensor, run: int, bits: int, group_size: int, seed: int, stochastic: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    torch._check(run >= 1, lambda: f"run must be >= 1, got {run}")
+    traced_count(run, "run")
     packed, lo, step = _group_quantize_fake(x, bits, group_size, seed, stochastic)
     rows = x.numel() // run
     return (
@@ -168,15 +151,13 @@ def _row_group_dequantize_fake(
     numel: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    torch._check(run >= 1, lambda: f"run must be >= 1, got {run}")
+    traced_count(run, "run")
     return _group_dequantize_fake(packed, lo, step, bits, group_size, numel, dtype)
 
 
 def _fp8_quantize_fake(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    torch._check(
-        x.dtype in _FLOATS, lambda: f"x must be float32, float16 or bfloat16, got {x.dtype}"
-    )
-    torch._check(group_size >= 1, lambda: f"group_size must be >= 1, got {group_size}")
+    traced_float(x.dtype, "x")
+    traced_count(group_size, "group_size")
     groups = (x.numel() + group_size - 1) // group_size
     return (
         x.new_empty((groups * group_size,), dtype=torch.uint8),
@@ -187,30 +168,22 @@ def _fp8_quantize_fake(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
 def _fp8_dequantize_fake(
     codes: torch.Tensor, scale: torch.Tensor, group_size: int, numel: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    torch._check(codes.dtype == torch.uint8, lambda: f"codes must be uint8, got {codes.dtype}")
-    torch._check(
-        scale.dtype == torch.bfloat16, lambda: f"scale must be bfloat16, got {scale.dtype}"
-    )
-    torch._check(
-        dtype in _FLOATS, lambda: f"dtype must be float32, float16 or bfloat16, got {dtype}"
-    )
+    traced_dtype(codes, "codes", torch.uint8)
+    traced_dtype(scale, "scale", torch.bfloat16)
+    traced_float(dtype, "dtype")
     return codes.new_empty((numel,), dtype=dtype)
 
 
 def _level_quantize_fake(
     x: torch.Tensor, levels: torch.Tensor, bits: int, seed: int
 ) -> torch.Tensor:
-    torch._check(
-        x.dtype in _FLOATS, lambda: f"x must be float32, float16 or bfloat16, got {x.dtype}"
-    )
+    traced_float(x.dtype, "x")
     torch._check(bits in (2, 4, 8), lambda: f"bits must be 2, 4 or 8, got {bits}")
-    torch._check(
-        levels.dtype == torch.float32, lambda: f"levels must be float32, got {levels.dtype}"
-    )
+    traced_dtype(levels, "levels", torch.float32)
     return x.new_empty(((x.numel() * bits + 7) // 8,), dtype=torch.uint8)
 
 
-_SIGN_FLOATS = (*_FLOATS, torch.float64)
+_SIGN_FLOATS = (*FLOAT_DTYPES, torch.float64)
 
 
 def _sign_pack_fake(x: torch.Tensor) -> torch.Tensor:
@@ -219,7 +192,7 @@ def _sign_pack_fake(x: torch.Tensor) -> torch.Tensor:
 
 
 def _sign_unpack_fake(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    torch._check(packed.dtype == torch.uint8, lambda: f"packed must be uint8, got {packed.dtype}")
+    traced_dtype(packed, "packed", torch.uint8)
     torch._check(dtype in _SIGN_FLOATS, lambda: f"dtype must be a float dtype, got {dtype}")
     return packed.new_empty((numel,), dtype=dtype)
 
@@ -228,7 +201,7 @@ def _sign_select_fake(grad: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     torch._check(
         grad.dtype in _SIGN_FLOATS, lambda: f"grad must be a float tensor, got {grad.dtype}"
     )
-    torch._check(packed.dtype == torch.uint8, lambda: f"packed must be uint8, got {packed.dtype}")
+    traced_dtype(packed, "packed", torch.uint8)
     torch._check(
         packed.numel() == (grad.numel() + 7) // 8,
         lambda: f"packed must hold {(grad.numel() + 7) // 8} bytes, got {packed.numel()}",
@@ -240,12 +213,12 @@ _OFFSET_BLOCK = 1 << 16
 
 
 def _check_kept(kept: int) -> None:
-    torch._check(kept >= 0, lambda: f"kept must be >= 0, got {kept}")
+    traced_count(kept, "kept", 0)
 
 
 def _check_mask(mask: torch.Tensor, numel: int) -> None:
     torch._check(mask.dtype == torch.uint8, lambda: f"the mask must be uint8, got {mask.dtype}")
-    torch._check(numel >= 0, lambda: f"numel must be >= 0, got {numel}")
+    traced_count(numel, "numel", 0)
     torch._check(
         mask.numel() == (numel + 7) // 8,
         lambda: f"{numel} elements need a mask of {(numel + 7) // 8} bytes, got {mask.numel()}",
@@ -253,18 +226,14 @@ def _check_mask(mask: torch.Tensor, numel: int) -> None:
 
 
 def _topk_mask_fake(x: torch.Tensor, segments: int, k: int, exact: bool) -> torch.Tensor:
-    torch._check(
-        x.dtype in _FLOATS, lambda: f"x must be float32, float16 or bfloat16, got {x.dtype}"
-    )
-    torch._check(segments >= 1, lambda: f"segments must be >= 1, got {segments}")
-    torch._check(k >= 0, lambda: f"k must be >= 0, got {k}")
+    traced_float(x.dtype, "x")
+    traced_count(segments, "segments")
+    traced_count(k, "k", 0)
     return x.new_empty(((x.numel() + 7) // 8,), dtype=torch.uint8)
 
 
 def _mask_compact_fake(x: torch.Tensor, mask: torch.Tensor, kept: int) -> torch.Tensor:
-    torch._check(
-        x.dtype in _FLOATS, lambda: f"x must be float32, float16 or bfloat16, got {x.dtype}"
-    )
+    traced_float(x.dtype, "x")
     _check_mask(mask, x.numel())
     _check_kept(kept)
     return x.new_empty((kept,))
@@ -272,10 +241,7 @@ def _mask_compact_fake(x: torch.Tensor, mask: torch.Tensor, kept: int) -> torch.
 
 def _mask_scatter_fake(mask: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
     _check_mask(mask, numel)
-    torch._check(
-        values.dtype in _FLOATS,
-        lambda: f"values must be float32, float16 or bfloat16, got {values.dtype}",
-    )
+    traced_float(values.dtype, "values")
     return values.new_empty((numel,))
 
 
@@ -294,15 +260,10 @@ def _mask_offsets_fake(
 def _offsets_scatter_fake(
     offsets: torch.Tensor, counts: torch.Tensor, values: torch.Tensor, numel: int
 ) -> torch.Tensor:
-    torch._check(
-        offsets.dtype == torch.uint16, lambda: f"offsets must be uint16, got {offsets.dtype}"
-    )
-    torch._check(counts.dtype == torch.int32, lambda: f"counts must be int32, got {counts.dtype}")
-    torch._check(
-        values.dtype in _FLOATS,
-        lambda: f"values must be float32, float16 or bfloat16, got {values.dtype}",
-    )
-    torch._check(numel >= 0, lambda: f"numel must be >= 0, got {numel}")
+    traced_dtype(offsets, "offsets", torch.uint16)
+    traced_dtype(counts, "counts", torch.int32)
+    traced_float(values.dtype, "values")
+    traced_count(numel, "numel", 0)
     return values.new_empty((numel,))
 
 

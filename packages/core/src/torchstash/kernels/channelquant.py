@@ -18,38 +18,23 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import as_int64, check_u64
+from ._checks import (
+    as_int64,
+    check_count,
+    check_flag,
+    check_float_dtype,
+    check_float_tensor,
+    check_tensor,
+    check_u64,
+)
 from ._dispatch import Impl, use_kernel
 from .channelquant_reference import (
     channel_dequantize_ref,
     channel_minmax_ref,
     channel_quantize_ref,
 )
-from .groupquant import FLOAT_DTYPES
 
 __all__ = ["channel_dequantize", "channel_minmax", "channel_quantize"]
-
-_ALLOWED = "float32, float16, bfloat16"
-
-
-def _check_tensor(t: object, name: str, *, op: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    return t
-
-
-def _check_float(dtype: object, name: str, *, op: str) -> None:
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"{op}: {name} must be one of {_ALLOWED}, got {dtype}; convert with .float()"
-        )
-
-
-def _check_count(value: object, name: str, *, op: str, hint: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{op}: {name} must be an int >= 1, got {value!r}; {hint}")
-    return value
-
 
 _INNER_HINT = (
     "it is the number of consecutive elements of one channel: N * D for the heads of a "
@@ -70,7 +55,7 @@ def _check_params(
 ) -> int:
     """lo and step: float32, 1-D, one entry per channel, on the owner's device."""
     for t, name in ((lo, "lo"), (step, "step")):
-        t = _check_tensor(t, name, op=op)
+        t = check_tensor(t, name, op=op)
         if t.dtype != torch.float32:
             raise TypeError(
                 f"{op}: {name} must be float32, got {t.dtype}; convert it with .float()"
@@ -100,10 +85,9 @@ def channel_minmax(
     (any shape and strides, ``x.contiguous()`` order); ``+inf`` / ``-inf`` where a channel
     has no finite element, ``+0.0`` for a zero minimum or maximum."""
     op = "channel_minmax"
-    x = _check_tensor(x, "x", op=op)
-    _check_float(x.dtype, "x", op=op)
-    _check_count(inner, "inner", op=op, hint=_INNER_HINT)
-    _check_count(channels, "channels", op=op, hint="one per head or channel")
+    x = check_float_tensor(x, "x", op=op)
+    check_count(inner, "inner", op=op, hint=_INNER_HINT)
+    check_count(channels, "channels", op=op, hint="one per head or channel")
     _check_layout(x.numel(), inner, channels, "x", op=op)
     if use_kernel(impl, x.device):
         mn, mx = torch.ops.torchstash.channel_minmax(x, inner, channels)
@@ -127,14 +111,12 @@ def channel_quantize(
     ``seed`` in [0, 2**64) picks the rounding uniforms; ``stochastic=False`` rounds to nearest.
     """
     op = "channel_quantize"
-    x = _check_tensor(x, "x", op=op)
-    _check_float(x.dtype, "x", op=op)
-    _check_count(inner, "inner", op=op, hint=_INNER_HINT)
+    x = check_float_tensor(x, "x", op=op)
+    check_count(inner, "inner", op=op, hint=_INNER_HINT)
     channels = _check_params(lo, step, x, "x", op=op)
     _check_layout(x.numel(), inner, channels, "x", op=op)
     check_u64(seed, "seed", op=op)
-    if not isinstance(stochastic, bool):
-        raise TypeError(f"{op}: stochastic must be a bool, got {type(stochastic).__name__}")
+    check_flag(stochastic, "stochastic", op=op)
     if use_kernel(impl, x.device):
         codes: torch.Tensor = torch.ops.torchstash.channel_quantize(
             x, lo, step, inner, as_int64(seed), stochastic
@@ -155,7 +137,7 @@ def channel_dequantize(
     """The 1-D ``dtype`` tensor of ``codes.numel()`` values that :func:`channel_quantize`
     encoded (NaN and Inf back where they were)."""
     op = "channel_dequantize"
-    codes = _check_tensor(codes, "codes", op=op)
+    codes = check_tensor(codes, "codes", op=op)
     if codes.dtype != torch.uint8:
         raise TypeError(
             f"{op}: codes must be uint8, got {codes.dtype}; pass the tensor channel_quantize returned"
@@ -165,10 +147,10 @@ def channel_dequantize(
             f"{op}: codes must be 1-D, got {codes.dim()} dims; "
             "pass the tensor channel_quantize returned, or flatten it"
         )
-    _check_count(inner, "inner", op=op, hint=_INNER_HINT)
+    check_count(inner, "inner", op=op, hint=_INNER_HINT)
     channels = _check_params(lo, step, codes, "codes", op=op)
     _check_layout(codes.numel(), inner, channels, "codes", op=op)
-    _check_float(dtype, "dtype", op=op)
+    check_float_dtype(dtype, "dtype", op=op)
     if use_kernel(impl, codes.device):
         out: torch.Tensor = torch.ops.torchstash.channel_dequantize(codes, lo, step, inner, dtype)
         return out

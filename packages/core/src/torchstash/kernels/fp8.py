@@ -11,17 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import FLOAT_DTYPES, check_float_tensor, check_group_size
 from ._dispatch import Impl, use_kernel
 from .fp8_reference import fp8_dequantize_ref, fp8_quantize_ref
-from .groupquant import FLOAT_DTYPES
 
 __all__ = ["fp8_dequantize", "fp8_quantize"]
-
-
-def _check_group_size(group_size: object, *, op: str) -> int:
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"{op}: group_size must be an int >= 1 (256 is usual), got {group_size!r}")
-    return group_size
 
 
 def fp8_quantize(
@@ -31,10 +25,8 @@ def fp8_quantize(
     uint8 codes of whole groups (``ceil(numel / group_size) * group_size``, the padding coded
     as 0) and the bfloat16 scale of each group, negative for one holding NaN/Inf."""
     op = "fp8_quantize"
-    _check_group_size(group_size, op=op)
-    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
-        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-        raise TypeError(f"{op}: x must be a float32, float16 or bfloat16 tensor, got {got}")
+    check_group_size(group_size, op=op)
+    check_float_tensor(x, "x", op=op)
     if use_kernel(impl, x.device):
         codes, scale = torch.ops.torchstash.fp8_quantize(x, group_size)
         return codes, scale
@@ -53,7 +45,7 @@ def fp8_dequantize(
     """The 1-D ``dtype`` tensor of the ``numel`` values :func:`fp8_quantize` coded, from its
     first ``numel`` codes."""
     op = "fp8_dequantize"
-    _check_group_size(group_size, op=op)
+    check_group_size(group_size, op=op)
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.shape != (numel,):
         got = f"{codes.dtype} {tuple(codes.shape)}" if isinstance(codes, torch.Tensor) else codes
         raise ValueError(f"{op}: codes must be 1-D uint8 of {numel} codes, got {got}")

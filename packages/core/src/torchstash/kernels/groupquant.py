@@ -12,35 +12,29 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import as_int64, check_bits, check_numel, check_packed, check_u64
+from ._checks import (
+    FLOAT_DTYPES,
+    as_int64,
+    check_bits,
+    check_flag,
+    check_float_dtype,
+    check_float_tensor,
+    check_group_size,
+    check_numel,
+    check_packed,
+    check_tensor,
+    check_u64,
+)
 from ._dispatch import Impl, use_kernel
 from .groupquant_reference import group_dequantize_ref, group_quantize_ref, group_steps, num_groups
 
 __all__ = ["FLOAT_DTYPES", "group_dequantize", "group_quantize", "group_steps"]
 
-#: The floating-point dtypes both ops read and write.
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_ALLOWED = "float32, float16, bfloat16"
-
-
-def _check_group_size(group_size: int, *, op: str) -> int:
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"{op}: group_size must be an int >= 1 (256 is usual), got {group_size!r}")
-    return group_size
-
-
-def _check_float_dtype(dtype: object, name: str, *, op: str) -> None:
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"{op}: {name} must be one of {_ALLOWED}, got {dtype}; convert with .float()"
-        )
-
 
 def _check_group_params(
     t: torch.Tensor, name: str, groups: int, packed: torch.Tensor, *, op: str
 ) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensor(t, name, op=op)
     if t.dtype != torch.bfloat16:
         raise TypeError(
             f"{op}: {name} must be bfloat16, got {t.dtype}; pass the tensors group_quantize returned"
@@ -74,13 +68,10 @@ def group_quantize(
     """
     op = "group_quantize"
     check_bits(bits, op=op)
-    _check_group_size(group_size, op=op)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
-    _check_float_dtype(x.dtype, "x", op=op)
+    check_group_size(group_size, op=op)
+    check_float_tensor(x, "x", op=op)
     check_u64(seed, "seed", op=op)
-    if not isinstance(stochastic, bool):
-        raise TypeError(f"{op}: stochastic must be a bool, got {type(stochastic).__name__}")
+    check_flag(stochastic, "stochastic", op=op)
     if use_kernel(impl, x.device):
         packed, lo, step = torch.ops.torchstash.group_quantize(
             x, bits, group_size, as_int64(seed), stochastic
@@ -106,13 +97,13 @@ def group_dequantize(
     """
     op = "group_dequantize"
     check_bits(bits, op=op)
-    _check_group_size(group_size, op=op)
+    check_group_size(group_size, op=op)
     check_numel(numel, op=op)
     check_packed(packed, bits, numel, op=op)
     groups = num_groups(numel, group_size)
     _check_group_params(lo, "lo", groups, packed, op=op)
     _check_group_params(step, "step", groups, packed, op=op)
-    _check_float_dtype(dtype, "dtype", op=op)
+    check_float_dtype(dtype, "dtype", op=op)
     if use_kernel(impl, packed.device):
         return torch.ops.torchstash.group_dequantize(
             packed, lo, step, bits, group_size, numel, dtype

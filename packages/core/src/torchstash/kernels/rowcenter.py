@@ -12,9 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import as_int64, check_bits, check_u64
+from ._checks import (
+    as_int64,
+    check_bits,
+    check_float_dtype,
+    check_float_tensor,
+    check_tensor,
+    check_u64,
+)
 from ._dispatch import Impl, use_kernel
-from .groupquant import FLOAT_DTYPES
 from .rowcenter_reference import (
     row_center_ref,
     row_group_dequantize_ref,
@@ -25,13 +31,6 @@ from .rowcenter_reference import (
 __all__ = ["row_center", "row_group_dequantize", "row_group_quantize", "row_uncenter"]
 
 
-def _check_float(t: object, name: str, allowed: tuple[torch.dtype, ...], *, op: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in allowed:
-        raise TypeError(f"{op}: {name} must be one of {allowed}, got {t.dtype}")
-
-
 def row_center(
     x: torch.Tensor, run: int, *, scale: bool = False, impl: Impl = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -40,7 +39,7 @@ def row_center(
     row's offset (float32), which rows are constant (packed bits) and, with ``scale``, the
     rows' scales (float32; None without)."""
     op = "row_center"
-    _check_float(x, "x", FLOAT_DTYPES, op=op)
+    check_float_tensor(x, "x", op=op)
     if use_kernel(impl, x.device):
         out = torch.ops.torchstash.row_center(x, run, scale)
     else:
@@ -62,9 +61,9 @@ def row_uncenter(
     """The 1-D ``dtype`` values :func:`row_center` centered, from their decoded centered
     values (float32) and what it returned."""
     op = "row_uncenter"
-    _check_float(decoded, "decoded", (torch.float32,), op=op)
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{op}: dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+    if check_tensor(decoded, "decoded", op=op).dtype != torch.float32:
+        raise TypeError(f"{op}: decoded must be float32, got {decoded.dtype}")
+    check_float_dtype(dtype, "dtype", op=op)
     if use_kernel(impl, decoded.device):
         empty = offsets.new_empty(0) if scales is None else scales
         out: torch.Tensor = torch.ops.torchstash.row_uncenter(
@@ -87,7 +86,7 @@ def row_group_quantize(
     """``(packed, lo, step, offsets, constant)``: :func:`group_quantize` of
     :func:`row_center`'s centered values (no scales), in one pass."""
     op = "row_group_quantize"
-    _check_float(x, "x", FLOAT_DTYPES, op=op)
+    check_float_tensor(x, "x", op=op)
     check_bits(bits, op=op)
     check_u64(seed, "seed", op=op)
     if use_kernel(impl, x.device):
@@ -116,8 +115,7 @@ def row_group_dequantize(
     """The 1-D ``dtype`` values :func:`row_group_quantize` coded, in one pass."""
     op = "row_group_dequantize"
     check_bits(bits, op=op)
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{op}: dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+    check_float_dtype(dtype, "dtype", op=op)
     if use_kernel(impl, packed.device):
         out: torch.Tensor = torch.ops.torchstash.row_group_dequantize(
             packed, lo, step, offsets, constant, bits, group_size, run, numel, dtype

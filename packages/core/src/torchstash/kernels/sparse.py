@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_numel, check_packed
+from ._checks import check_count, check_flag, check_float_tensor, check_numel, check_packed
 from ._dispatch import Impl, use_kernel
-from .groupquant import FLOAT_DTYPES
 from .sparse_reference import (
     OFFSET_BLOCK,
     mask_compact_ref,
@@ -31,24 +30,6 @@ __all__ = [
     "offsets_scatter",
     "topk_mask",
 ]
-
-_ALLOWED = "float32, float16, bfloat16"
-
-
-def _check_float_tensor(t: object, name: str, *, op: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"{op}: {name} must be one of {_ALLOWED}, got {t.dtype}; convert with .float()"
-        )
-    return t
-
-
-def _check_int(value: object, name: str, *, op: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{op}: {name} must be an int >= {low}, got {value!r}")
-    return value
 
 
 def _check_segments(numel: int, segments: int, k: int, *, op: str) -> None:
@@ -83,12 +64,11 @@ def topk_mask(
     instead of four); float16 and bfloat16 are always exact.
     """
     op = "topk_mask"
-    x = _check_float_tensor(x, "x", op=op)
-    _check_int(segments, "segments", op=op, low=1)
-    _check_int(k, "k", op=op, low=0)
+    x = check_float_tensor(x, "x", op=op)
+    check_count(segments, "segments", op=op, low=1)
+    check_count(k, "k", op=op, low=0)
     _check_segments(x.numel(), segments, k, op=op)
-    if not isinstance(exact, bool):
-        raise TypeError(f"{op}: exact must be a bool, got {type(exact).__name__}")
+    check_flag(exact, "exact", op=op)
     if use_kernel(impl, x.device):
         mask: torch.Tensor = torch.ops.torchstash.topk_mask(x, segments, k, exact)
         return mask
@@ -100,10 +80,10 @@ def mask_compact(
 ) -> torch.Tensor:
     """The ``kept`` values of ``x.contiguous()`` (flat order) whose mask bit is set (1-D)."""
     op = "mask_compact"
-    x = _check_float_tensor(x, "x", op=op)
+    x = check_float_tensor(x, "x", op=op)
     packed = _check_mask(packed, x.numel(), op=op)
     _check_same_device(x, packed, "x and the mask", op=op)
-    _check_int(kept, "kept", op=op, low=0)
+    check_count(kept, "kept", op=op, low=0)
     if use_kernel(impl, x.device):
         values: torch.Tensor = torch.ops.torchstash.mask_compact(x, packed, kept)
         return values
@@ -117,7 +97,7 @@ def mask_scatter(
     op = "mask_scatter"
     check_numel(numel, op=op)
     packed = _check_mask(packed, numel, op=op)
-    values = _check_float_tensor(values, "values", op=op)
+    values = check_float_tensor(values, "values", op=op)
     _check_same_device(values, packed, "values and the mask", op=op)
     if values.dim() != 1:
         raise ValueError(f"{op}: values must be 1-D, got shape {tuple(values.shape)}")
@@ -135,7 +115,7 @@ def mask_offsets(
     op = "mask_offsets"
     check_numel(numel, op=op)
     packed = _check_mask(packed, numel, op=op)
-    _check_int(kept, "kept", op=op, low=0)
+    check_count(kept, "kept", op=op, low=0)
     if use_kernel(impl, packed.device):
         offsets, counts = torch.ops.torchstash.mask_offsets(packed, numel, kept)
         return offsets, counts
@@ -153,7 +133,7 @@ def offsets_scatter(
     """Dense 1-D tensor of ``numel`` elements from :func:`mask_offsets`' form and the values."""
     op = "offsets_scatter"
     check_numel(numel, op=op)
-    values = _check_float_tensor(values, "values", op=op)
+    values = check_float_tensor(values, "values", op=op)
     blocks = (numel + OFFSET_BLOCK - 1) // OFFSET_BLOCK
     if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.uint16 or offsets.dim() != 1:
         raise TypeError(f"{op}: offsets must be 1-D uint16, as mask_offsets returns them")

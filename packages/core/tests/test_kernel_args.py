@@ -1,0 +1,161 @@
+"""The kernels' argument rules (``torchstash.kernels._checks``) hold in all three places that
+check them: the Python dispatcher, the C++ op (``csrc/bindings/checks.h``) and the fake kernel
+``torch.compile`` traces with. For each op, a valid call, then one argument broken at a time:
+every one of the three refuses it, naming the argument."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from torchstash import kernels as K
+from torchstash.kernels import loader
+
+ops = torch.ops.torchstash
+X = torch.randn(4, 64)
+PACKED, LO, STEP = K.group_quantize(X, 4, 64, seed=1, impl="ref")
+LO_C, HI_C = torch.full((4,), -3.0), torch.full((4,), 0.05)
+CODES_C = K.channel_quantize(X, LO_C, HI_C, 64, seed=1, impl="ref")
+FP8_CODES, FP8_SCALE = K.fp8_quantize(X, 64, impl="ref")
+CENTERED, OFFSETS, CONSTANT, _ = K.row_center(X, 64, impl="ref")
+SIGNS = K.sign_pack(X, impl="ref")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One op: its C++ arguments, the dispatcher that takes the same ones, and which
+    argument is broken how."""
+
+    op: str
+    args: tuple[Any, ...]
+    dispatcher: Callable[..., Any]
+    broken: dict[int, tuple[str, Any]]  # position -> (argument name, bad value)
+
+
+CASES = [
+    Case(
+        "group_quantize",
+        (X, 4, 64, 1, True),
+        lambda x, b, g, s, st: K.group_quantize(x, b, g, seed=s, stochastic=st, impl="kernel"),
+        {0: ("x", X.int()), 1: ("bits", 3), 2: ("group_size", 0)},
+    ),
+    Case(
+        "group_dequantize",
+        (PACKED, LO, STEP, 4, 64, X.numel(), torch.float32),
+        lambda *a: K.group_dequantize(*a, impl="kernel"),
+        {3: ("bits", 3), 6: ("dtype", torch.int32)},
+    ),
+    Case(
+        "channel_minmax",
+        (X, 64, 4),
+        lambda *a: K.channel_minmax(*a, impl="kernel"),
+        {0: ("x", X.int()), 1: ("inner", 0), 2: ("channels", 0)},
+    ),
+    Case(
+        "channel_quantize",
+        (X, LO_C, HI_C, 64, 1, True),
+        lambda x, lo, st, i, s, sto: K.channel_quantize(
+            x, lo, st, i, seed=s, stochastic=sto, impl="kernel"
+        ),
+        {0: ("x", X.int()), 3: ("inner", 0)},
+    ),
+    Case(
+        "channel_dequantize",
+        (CODES_C, LO_C, HI_C, 64, torch.float32),
+        lambda *a: K.channel_dequantize(*a, impl="kernel"),
+        {4: ("dtype", torch.int32)},
+    ),
+    Case(
+        "fp8_quantize",
+        (X, 64),
+        lambda *a: K.fp8_quantize(*a, impl="kernel"),
+        {0: ("x", X.int()), 1: ("group_size", 0)},
+    ),
+    Case(
+        "fp8_dequantize",
+        (FP8_CODES, FP8_SCALE, 64, X.numel(), torch.float32),
+        lambda *a: K.fp8_dequantize(*a, impl="kernel"),
+        {4: ("dtype", torch.int32)},
+    ),
+    Case(
+        "row_center",
+        (X, 64, False),
+        lambda x, r, s: K.row_center(x, r, scale=s, impl="kernel"),
+        {0: ("x", X.int())},
+    ),
+    Case(
+        "row_uncenter",
+        (CENTERED, OFFSETS, CONSTANT, torch.empty(0), 64, torch.float32),
+        lambda d, o, c, s, r, t: K.row_uncenter(d, o, c, None, r, t, impl="kernel"),
+        {0: ("decoded", CENTERED.half()), 5: ("dtype", torch.int32)},
+    ),
+    Case(
+        "topk_mask",
+        (X, 4, 8, True),
+        lambda x, s, k, e: K.topk_mask(x, s, k, exact=e, impl="kernel"),
+        {0: ("x", X.int()), 1: ("segments", 0), 2: ("k", -1)},
+    ),
+    Case(
+        "pack_bits",
+        (torch.zeros(16, dtype=torch.uint8), 2),
+        lambda *a: K.pack_bits(*a, impl="kernel"),
+        {1: ("bits", 3)},
+    ),
+    Case(
+        "sign_pack",
+        (X,),
+        lambda *a: K.sign_pack(*a, impl="kernel"),
+        {0: ("x", X.int())},
+    ),
+    Case(
+        "sign_select",
+        (X, SIGNS),
+        lambda *a: K.sign_select(*a, impl="kernel"),
+        {0: ("grad", X.int())},
+    ),
+]
+BROKEN = [(c, i) for c in CASES for i in c.broken]
+
+
+@pytest.fixture(scope="module")
+def compiled() -> None:
+    if not loader.available("cpu"):
+        pytest.skip("compiled kernels unavailable")
+
+
+def _with(case: Case, position: int) -> tuple[Any, ...]:
+    args = list(case.args)
+    args[position] = case.broken[position][1]
+    return tuple(args)
+
+
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.op)
+def test_the_valid_call_runs_in_all_three(case: Case) -> None:
+    """The broken calls below fail for their broken argument, not for the rest."""
+    case.dispatcher(*case.args)
+    getattr(ops, case.op)(*case.args)
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in case.args]
+        getattr(ops, case.op)(*fakes)
+
+
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize(
+    ("case", "position"), BROKEN, ids=[f"{c.op}-{c.broken[i][0]}" for c, i in BROKEN]
+)
+def test_a_broken_argument_is_refused_by_all_three(case: Case, position: int) -> None:
+    name = case.broken[position][0]
+    args = _with(case, position)
+    with pytest.raises((TypeError, ValueError), match=rf"\b{name}\b"):
+        case.dispatcher(*args)
+    with pytest.raises((TypeError, ValueError, RuntimeError), match=rf"\b{name}\b"):
+        getattr(ops, case.op)(*args)
+    with FakeTensorMode() as mode, pytest.raises(RuntimeError, match=rf"\b{name}\b"):
+        fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        getattr(ops, case.op)(*fakes)
