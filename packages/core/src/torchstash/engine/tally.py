@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -36,11 +38,36 @@ class Row:
         return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
 
 
+class Counted(Protocol):
+    """What a whole recorded forward adds to one row (:class:`~.totals.Totals`)."""
+
+    @property
+    def module(self) -> str: ...
+
+    @property
+    def module_type(self) -> str: ...
+
+    @property
+    def counts(
+        self,
+    ) -> tuple[int, ...]:  # saved, shared, raw, stored, held, host, compressed, derived
+        ...
+
+    @property
+    def ops(self) -> Mapping[str, int]: ...
+
+    @property
+    def declined(self) -> Mapping[str, int]: ...
+
+
 class Tally:
     """Per-module accounting, plus the parameters autograd referenced (never counted as raw)."""
 
     def __init__(self) -> None:
-        self.rows: dict[str, Row] = {}
+        self._rows: dict[str, Row] = {}
+        #: whole forwards' totals not yet in the rows, by identity: (totals, how many
+        #: forwards); a replayed forward costs one update here, the rows catch up when read
+        self._pending: dict[int, tuple[Sequence[Counted], int]] = {}
         self.param_refs = 0
         #: bumped by :meth:`reset`: a replayed forward's rows are looked up again
         self.generation = 0
@@ -48,6 +75,42 @@ class Tally:
         #: the storages counted in raw_bytes and in stored_bytes, each once while held
         self.raw_storages = StorageLedger()
         self.stored_storages = StorageLedger()
+
+    @property
+    def rows(self) -> dict[str, Row]:
+        """Each module's row, every forward counted."""
+        if self._pending:
+            self._settle()
+        return self._rows
+
+    def add_forward(self, totals: Sequence[Counted]) -> None:
+        """Count a whole forward that added ``totals`` (a replayed one): when the rows are
+        next read, as if each save had been counted."""
+        key = id(totals)  # the sequence is held while pending: its id stays its own
+        entry = self._pending.get(key)
+        self._pending[key] = (totals, 1 if entry is None else entry[1] + 1)
+
+    def _settle(self) -> None:
+        pending, self._pending = self._pending, {}
+        rows = self._rows
+        for totals, times in pending.values():
+            for t in totals:
+                row = rows.get(t.module)
+                if row is None:
+                    row = rows[t.module] = Row(t.module, t.module_type)
+                saved, shared, raw, stored, held, host, compressed, derived = t.counts
+                row.saved += saved * times
+                row.shared += shared * times
+                row.raw_bytes += raw * times
+                row.stored_bytes += stored * times
+                row.held_bytes += held * times
+                row.host_bytes += host * times
+                row.compressed += compressed * times
+                row.derived += derived * times
+                for op, n in t.ops.items():
+                    row.ops[op] += n * times
+                for reason, n in t.declined.items():
+                    row.declined[reason] += n * times
 
     def row(self, site: Site) -> Row:
         r = self.rows.get(site.module)
@@ -81,7 +144,8 @@ class Tally:
 
     def reset(self) -> None:
         with self._lock:
-            self.rows.clear()
+            self._pending.clear()
+            self._rows.clear()
             self.param_refs = 0
             self.generation += 1
 

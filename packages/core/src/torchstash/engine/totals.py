@@ -6,8 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .tally import Row
-
 if TYPE_CHECKING:
     from .tally import Tally
 
@@ -62,28 +60,8 @@ def diff(before: dict[str, tuple[Any, ...]], tally: Tally) -> list[Totals]:
 
 
 def add(tally: Tally, totals: list[Totals]) -> None:
-    """Count ``totals`` in ``tally``'s rows."""
-    rows = tally.rows
-    for t in totals:
-        row = rows.get(t.module)
-        if row is None:
-            row = rows[t.module] = Row(t.module, t.module_type)
-        saved, shared, raw, stored, held, host, compressed, derived = t.counts
-        row.saved += saved
-        row.shared += shared
-        row.raw_bytes += raw
-        row.stored_bytes += stored
-        row.held_bytes += held
-        row.host_bytes += host
-        row.compressed += compressed
-        row.derived += derived
-        counts = row.ops
-        for op, n in t.ops.items():
-            counts[op] += n
-        if t.declined:
-            counts = row.declined
-            for reason, n in t.declined.items():
-                counts[reason] += n
+    """Count ``totals`` in ``tally``'s rows (when they are next read)."""
+    tally.add_forward(totals)
 
 
 __all__ = ["COUNTS", "Totals", "add", "diff", "snapshot"]
