@@ -51,131 +51,81 @@ def _drop_mesa_state(state_dict: dict[str, Any], prefix: str, *args: Any, **kwar
             del state_dict[key]
 
 
+#: Mesa's own arguments, after the torch layer's in every constructor
+MESA_ARGS = ("args", "logger", "quant_groups", "mesa")
+
+
+def _constructor(order: tuple[str, ...]) -> Any:
+    """An ``__init__`` taking the arguments named in ``order``, positionally in that order or
+    by name (Mesa's layers put theirs after the torch layer's), and any more of the torch
+    layer's by name: Mesa's own go to :meth:`_Mesa._mesa_init`, ``dim`` (ReLU's mask axis in
+    Mesa) is kept, the rest go to the torch layer."""
+
+    def __init__(self: Any, *positional: Any, **named: Any) -> None:
+        cls = type(self).__name__
+        if len(positional) > len(order):
+            raise TypeError(
+                f"{cls}() takes at most {len(order)} positional arguments "
+                f"({', '.join(order)}), got {len(positional)}"
+            )
+        for name, value in zip(order, positional, strict=False):
+            if name in named:
+                raise TypeError(f"{cls}() got multiple values for argument {name!r}")
+            named[name] = value
+        mesa = {k: named.pop(k) for k in MESA_ARGS if k in named and k in order}
+        dim = named.pop("dim", 1) if isinstance(self, nn.ReLU) else None
+        base: Any = next(c for c in type(self).__mro__ if c.__module__.startswith("torch.nn"))
+        base.__init__(self, **named)
+        if dim is not None:
+            self.dim = dim  # Mesa's packing axis for the 1-bit mask (1 bit here too)
+        self._mesa_init(
+            mesa.get("quant_groups"), mesa.get("args"), mesa.get("logger"), mesa.get("mesa", False)
+        )
+
+    return __init__
+
+
 class GELU(nn.GELU, _Mesa):
     tag = "gelu"
-
-    def __init__(
-        self,
-        args: Any = None,
-        logger: Any = None,
-        quant_groups: int | None = None,
-        approximate: str = "none",
-        mesa: bool = False,
-    ) -> None:
-        super().__init__(approximate=approximate)
-        self._mesa_init(quant_groups, args, logger, mesa)
+    __init__ = _constructor(("args", "logger", "quant_groups", "approximate", "mesa"))
 
 
 class ReLU(nn.ReLU, _Mesa):
     tag = "relu"
-
-    def __init__(
-        self,
-        inplace: bool = False,
-        dim: int = 1,
-        args: Any = None,
-        logger: Any = None,
-        quant_groups: int | None = None,
-        mesa: bool = False,
-    ) -> None:
-        super().__init__(inplace)
-        self.dim = dim  # Mesa's packing axis for the 1-bit mask (the mask is 1 bit here too)
-        self._mesa_init(quant_groups, args, logger, mesa)
+    __init__ = _constructor(("inplace", "dim", *MESA_ARGS))
 
 
 class Linear(nn.Linear, _Mesa):
     tag = "fc"
+    __init__ = _constructor(("in_features", "out_features", "bias", *MESA_ARGS))
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        args: Any = None,
-        logger: Any = None,
-        quant_groups: int | None = None,
-        mesa: bool = False,
-        **kw: Any,
-    ) -> None:
-        super().__init__(in_features, out_features, bias, **kw)
-        self._mesa_init(quant_groups, args, logger, mesa)
+
+_CONV_ARGS: tuple[str, ...] = ("in_channels", "out_channels", "kernel_size", "stride")
+_CONV_ARGS += ("padding", "dilation", "groups", "bias")  # two lines: one would be formatted as ten
 
 
 class Conv2d(nn.Conv2d, _Mesa):
     tag = "conv"
-
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: Any,
-        stride: Any = 1,
-        padding: Any = 0,
-        dilation: Any = 1,
-        groups: int = 1,
-        bias: bool = True,
-        args: Any = None,
-        logger: Any = None,
-        quant_groups: int | None = None,
-        mesa: bool = False,
-        **kw: Any,
-    ) -> None:
-        super().__init__(
-            in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, **kw
-        )
-        self._mesa_init(quant_groups, args, logger, mesa)
+    __init__ = _constructor((*_CONV_ARGS, *MESA_ARGS))
 
 
 class LayerNorm(nn.LayerNorm, _Mesa):
     tag = "layernorm"
-
-    def __init__(
-        self,
-        normalized_shape: Any,
-        eps: float = 1e-5,
-        elementwise_affine: bool = True,
-        args: Any = None,
-        logger: Any = None,
-        quant_groups: int | None = None,
-        mesa: bool = False,
-        **kw: Any,
-    ) -> None:
-        super().__init__(normalized_shape, eps, elementwise_affine, **kw)
-        self._mesa_init(quant_groups, args, logger, mesa)
+    __init__ = _constructor(("normalized_shape", "eps", "elementwise_affine", *MESA_ARGS))
 
 
 class BatchNorm2d(nn.BatchNorm2d, _Mesa):
-    tag = "bn"
+    """Mesa's BatchNorm takes no early switch (``mesa``): the policy decides."""
 
-    def __init__(
-        self,
-        num_features: int,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        args: Any = None,
-        logger: Any = None,
-        quant_groups: int | None = None,
-        **kw: Any,
-    ) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, **kw)
-        self._mesa_init(quant_groups, args, logger, False)
+    tag = "bn"
+    __init__ = _constructor(
+        ("num_features", "eps", "momentum", "affine", "track_running_stats", *MESA_ARGS[:3])
+    )
 
 
 class Softmax(nn.Softmax, _Mesa):
     tag = "softmax"
-
-    def __init__(
-        self,
-        dim: int | None = None,
-        args: Any = None,
-        logger: Any = None,
-        quant_groups: int | None = None,
-        mesa: bool = False,
-    ) -> None:
-        super().__init__(dim)
-        self._mesa_init(quant_groups, args, logger, mesa)
+    __init__ = _constructor(("dim", *MESA_ARGS))
 
 
 class MatMul(nn.Module, _Mesa):
