@@ -15,48 +15,18 @@ from __future__ import annotations
 from . import conf, dataloader, layers, module, qbnscheme, qscheme, utils
 from .conf import QuantizationConfig, config, set_optimization_level
 from .dataloader import DataLoader
-from .layers import (
-    QAvgPool2d,
-    QBatchNorm1d,
-    QBatchNorm2d,
-    QBatchNorm3d,
-    QConv1d,
-    QConv2d,
-    QConv3d,
-    QConvTranspose1d,
-    QConvTranspose2d,
-    QConvTranspose3d,
-    QDropout,
-    QLinear,
-    QMaxPool2d,
-    QReLU,
-    QSyncBatchNorm,
-)
+from .layers import *  # noqa: F403 (the Q-layers: layers.__all__)
 from .module import QModule
 from .qbnscheme import QBNScheme
 from .qscheme import QScheme
 from .utils import compute_tensor_bytes, exp_recorder, get_memory_usage
 
 __all__ = [
+    *layers.__all__,
     "DataLoader",
-    "QAvgPool2d",
     "QBNScheme",
-    "QBatchNorm1d",
-    "QBatchNorm2d",
-    "QBatchNorm3d",
-    "QConv1d",
-    "QConv2d",
-    "QConv3d",
-    "QConvTranspose1d",
-    "QConvTranspose2d",
-    "QConvTranspose3d",
-    "QDropout",
-    "QLinear",
-    "QMaxPool2d",
     "QModule",
-    "QReLU",
     "QScheme",
-    "QSyncBatchNorm",
     "QuantizationConfig",
     "compute_tensor_bytes",
     "conf",

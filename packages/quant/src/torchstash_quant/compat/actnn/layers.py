@@ -12,6 +12,7 @@ with every quant strategy. ``QAvgPool2d`` averages (ActNN's ran a max pool).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -47,123 +48,80 @@ class _Quantized:
             return forward(*args, **kwargs)
 
 
-def _conv_scheme(layer: nn.Module, group: int, kernel: Any, groups: int) -> QScheme | None:
+def _conv_scheme(layer: Any, group: int) -> QScheme | None:
     if not config.adaptive_conv_scheme:
         return None
-    locations = 1
+    kernel, locations = layer.kernel_size, 1
     for k in kernel if isinstance(kernel, (tuple, list)) else (kernel,):
         locations *= int(k)
-    return QScheme(layer, group=group, num_locations=locations, depthwise_groups=groups)
+    return QScheme(layer, group=group, num_locations=locations, depthwise_groups=layer.groups)
 
 
-def _conv(base: type[nn.Module], name: str) -> type[nn.Module]:
-    def __init__(
-        self: Any,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: Any,
-        stride: Any = 1,
-        padding: Any = 0,
-        dilation: Any = 1,
-        groups: int = 1,
-        bias: bool = True,
-        padding_mode: str = "zeros",
-        group: int = 0,
-        **kw: Any,
-    ) -> None:
-        base.__init__(
-            self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
-            bias, padding_mode, **kw,
-        )  # fmt: skip
-        self._actnn_init(_conv_scheme(self, group, self.kernel_size, groups))
-
-    return type(name, (_Quantized, base), {"__init__": __init__})
+def _linear_scheme(layer: Any, group: int) -> QScheme | None:
+    return QScheme(layer, group=group) if config.adaptive_conv_scheme else None
 
 
-def _conv_transpose(base: type[nn.Module], name: str) -> type[nn.Module]:
-    def __init__(
-        self: Any,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: Any,
-        stride: Any = 1,
-        padding: Any = 0,
-        output_padding: Any = 0,
-        groups: int = 1,
-        bias: bool = True,
-        dilation: Any = 1,
-        padding_mode: str = "zeros",
-        group: int = 0,
-        **kw: Any,
-    ) -> None:
-        base.__init__(
-            self, in_channels, out_channels, kernel_size, stride, padding, output_padding,
-            groups, bias, dilation, padding_mode, **kw,
-        )  # fmt: skip
-        self._actnn_init(_conv_scheme(self, group, self.kernel_size, groups))
+def _bn_scheme(layer: Any, group: int) -> QBNScheme | None:
+    return QBNScheme(group=group) if config.adaptive_bn_scheme else None
+
+
+Scheme = Callable[[Any, int], "QScheme | QBNScheme | None"]
+
+
+def _q_layer(
+    base: type[nn.Module],
+    name: str,
+    order: tuple[str, ...],
+    scheme: Scheme,
+    torch_names: dict[str, str] | None = None,
+) -> Any:
+    """``base`` with ActNN's extra ``group`` argument, after the layer's ``order`` of
+    arguments (positionally or by name; any more of the torch layer's by name; ActNN's names
+    for torch's in ``torch_names``), and the quantization scheme ``scheme(layer, group)``."""
+    rename = torch_names or {}
+
+    def __init__(self: Any, *positional: Any, group: int = 0, **named: Any) -> None:
+        if len(positional) > len(order) + 1:
+            raise TypeError(
+                f"{name}() takes at most {len(order) + 1} positional arguments "
+                f"({', '.join((*order, 'group'))}), got {len(positional)}"
+            )
+        if len(positional) > len(order):
+            positional, group = positional[: len(order)], positional[len(order)]
+        for arg, value in zip(order, positional, strict=False):
+            if arg in named:
+                raise TypeError(f"{name}() got multiple values for argument {arg!r}")
+            named[arg] = value
+        base.__init__(self, **{rename.get(k, k): v for k, v in named.items()})
+        self._actnn_init(scheme(self, group))
 
     return type(name, (_Quantized, base), {"__init__": __init__})
 
 
-def _batchnorm(base: type[nn.Module], name: str) -> type[nn.Module]:
-    def __init__(
-        self: Any,
-        num_features: int,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        group: int = 0,
-        **kw: Any,
-    ) -> None:
-        base.__init__(self, num_features, eps, momentum, affine, track_running_stats, **kw)
-        self._actnn_init(QBNScheme(group=group) if config.adaptive_bn_scheme else None)
+_CONV: tuple[str, ...] = ("in_channels", "out_channels", "kernel_size", "stride", "padding")
+_CONV += ("dilation", "groups", "bias", "padding_mode")
+_CONV_T: tuple[str, ...] = ("in_channels", "out_channels", "kernel_size", "stride", "padding")
+_CONV_T += ("output_padding", "groups", "bias", "dilation", "padding_mode")
+_BN = ("num_features", "eps", "momentum", "affine", "track_running_stats")
 
-    return type(name, (_Quantized, base), {"__init__": __init__})
-
-
-QConv1d = _conv(nn.Conv1d, "QConv1d")
-QConv2d = _conv(nn.Conv2d, "QConv2d")
-QConv3d = _conv(nn.Conv3d, "QConv3d")
-QConvTranspose1d = _conv_transpose(nn.ConvTranspose1d, "QConvTranspose1d")
-QConvTranspose2d = _conv_transpose(nn.ConvTranspose2d, "QConvTranspose2d")
-QConvTranspose3d = _conv_transpose(nn.ConvTranspose3d, "QConvTranspose3d")
-QBatchNorm1d = _batchnorm(nn.BatchNorm1d, "QBatchNorm1d")
-QBatchNorm2d = _batchnorm(nn.BatchNorm2d, "QBatchNorm2d")
-QBatchNorm3d = _batchnorm(nn.BatchNorm3d, "QBatchNorm3d")
-
-
-class QLinear(_Quantized, nn.Linear):
-    num_layers = 0
-
-    def __init__(
-        self,
-        input_features: int,
-        output_features: int,
-        bias: bool = True,
-        group: int = 0,
-        **kw: Any,
-    ) -> None:
-        super().__init__(input_features, output_features, bias, **kw)
-        self._actnn_init(QScheme(self, group=group) if config.adaptive_conv_scheme else None)
-
-
-class QSyncBatchNorm(_Quantized, nn.SyncBatchNorm):
-    def __init__(
-        self,
-        num_features: int,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        process_group: Any = None,
-        group: int = 0,
-        **kw: Any,
-    ) -> None:
-        super().__init__(
-            num_features, eps, momentum, affine, track_running_stats, process_group, **kw
-        )
-        self._actnn_init(QBNScheme(group=group) if config.adaptive_bn_scheme else None)
+QConv1d = _q_layer(nn.Conv1d, "QConv1d", _CONV, _conv_scheme)
+QConv2d = _q_layer(nn.Conv2d, "QConv2d", _CONV, _conv_scheme)
+QConv3d = _q_layer(nn.Conv3d, "QConv3d", _CONV, _conv_scheme)
+QConvTranspose1d = _q_layer(nn.ConvTranspose1d, "QConvTranspose1d", _CONV_T, _conv_scheme)
+QConvTranspose2d = _q_layer(nn.ConvTranspose2d, "QConvTranspose2d", _CONV_T, _conv_scheme)
+QConvTranspose3d = _q_layer(nn.ConvTranspose3d, "QConvTranspose3d", _CONV_T, _conv_scheme)
+QBatchNorm1d = _q_layer(nn.BatchNorm1d, "QBatchNorm1d", _BN, _bn_scheme)
+QBatchNorm2d = _q_layer(nn.BatchNorm2d, "QBatchNorm2d", _BN, _bn_scheme)
+QBatchNorm3d = _q_layer(nn.BatchNorm3d, "QBatchNorm3d", _BN, _bn_scheme)
+QSyncBatchNorm = _q_layer(nn.SyncBatchNorm, "QSyncBatchNorm", (*_BN, "process_group"), _bn_scheme)
+QLinear = _q_layer(
+    nn.Linear,
+    "QLinear",
+    ("input_features", "output_features", "bias"),  # ActNN's names
+    _linear_scheme,
+    {"input_features": "in_features", "output_features": "out_features"},
+)
+QLinear.num_layers = 0
 
 
 class QReLU(_Quantized, nn.ReLU):

@@ -19,41 +19,31 @@ from torch import nn
 
 import torchstash as ts
 
+from . import layers as qlayers
 from .conf import config, strategy
-from .layers import (
-    QAvgPool2d,
-    QBatchNorm1d,
-    QBatchNorm2d,
-    QBatchNorm3d,
-    QConv1d,
-    QConv2d,
-    QConv3d,
-    QConvTranspose1d,
-    QConvTranspose2d,
-    QConvTranspose3d,
-    QLinear,
-    QMaxPool2d,
-    QReLU,
-    _Quantized,
-)
+from .layers import _Quantized
 
-#: The torch layers ActNN's ``QModule`` converted, in the order it checked them.
-_CONVERTED: tuple[tuple[type[nn.Module], type[nn.Module]], ...] = (
-    (nn.Conv1d, QConv1d),
-    (nn.Conv2d, QConv2d),
-    (nn.Conv3d, QConv3d),
-    (nn.ConvTranspose1d, QConvTranspose1d),
-    (nn.ConvTranspose2d, QConvTranspose2d),
-    (nn.ConvTranspose3d, QConvTranspose3d),
-    (nn.BatchNorm1d, QBatchNorm1d),
-    (nn.BatchNorm2d, QBatchNorm2d),
-    (nn.BatchNorm3d, QBatchNorm3d),
-    (nn.Linear, QLinear),
-    (nn.ReLU, QReLU),
-    (nn.MaxPool2d, QMaxPool2d),
-    (nn.AvgPool2d, QAvgPool2d),
+#: The torch layers ActNN's ``QModule`` converted, in the order it checked them: each
+#: ``nn.<name>`` into ``Q<name>``.
+_CONVERTED_NAMES = (
+    "Conv1d",
+    "Conv2d",
+    "Conv3d",
+    "ConvTranspose1d",
+    "ConvTranspose2d",
+    "ConvTranspose3d",
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
+    "Linear",
+    "ReLU",
+    "MaxPool2d",
+    "AvgPool2d",
 )
-_BATCHNORMS = (QBatchNorm1d, QBatchNorm2d, QBatchNorm3d)
+_CONVERTED: tuple[tuple[type[nn.Module], type[nn.Module]], ...] = tuple(
+    (getattr(nn, name), getattr(qlayers, f"Q{name}")) for name in _CONVERTED_NAMES
+)
+_BATCHNORMS = (qlayers.QBatchNorm1d, qlayers.QBatchNorm2d, qlayers.QBatchNorm3d)
 _SUBCLASSES: dict[tuple[type[nn.Module], type[nn.Module]], type[nn.Module]] = {}
 
 
