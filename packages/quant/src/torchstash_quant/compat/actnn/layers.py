@@ -80,18 +80,19 @@ def _q_layer(
     for torch's in ``torch_names``), and the quantization scheme ``scheme(layer, group)``."""
     rename = torch_names or {}
 
-    def __init__(self: Any, *positional: Any, group: int = 0, **named: Any) -> None:
-        if len(positional) > len(order) + 1:
+    every = (*order, "group")
+
+    def __init__(self: Any, *positional: Any, **named: Any) -> None:
+        if len(positional) > len(every):
             raise TypeError(
-                f"{name}() takes at most {len(order) + 1} positional arguments "
-                f"({', '.join((*order, 'group'))}), got {len(positional)}"
+                f"{name}() takes at most {len(every)} positional arguments "
+                f"({', '.join(every)}), got {len(positional)}"
             )
-        if len(positional) > len(order):
-            positional, group = positional[: len(order)], positional[len(order)]
-        for arg, value in zip(order, positional, strict=False):
+        for arg, value in zip(every, positional, strict=False):
             if arg in named:
                 raise TypeError(f"{name}() got multiple values for argument {arg!r}")
             named[arg] = value
+        group = named.pop("group", 0)
         base.__init__(self, **{rename.get(k, k): v for k, v in named.items()})
         self._actnn_init(scheme(self, group))
 
