@@ -11,8 +11,6 @@ functions, the ones the CUDA kernels call, against the reference.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from typing import Any
 
 import pytest
@@ -25,7 +23,6 @@ from torchstash.kernels import (
     channel_dequantize,
     channel_minmax,
     channel_quantize,
-    loader,
 )
 from torchstash.kernels.channelquant_reference import (
     channel_dequantize_ref,
@@ -34,6 +31,7 @@ from torchstash.kernels.channelquant_reference import (
     channel_quantize_ref,
 )
 from torchstash.testing.bits import INT_VIEW, assert_bits_equal
+from torchstash.testing.native import build_host_program, run_host_program
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IMPLS: tuple[Impl, ...] = ("kernel", "ref")
@@ -517,22 +515,7 @@ int main(int argc, char** argv) {
 def test_header_functions_match_the_reference(tmp_path: Any) -> None:
     """channelquant.h's code_of and value_of (what the CUDA kernels run), compiled for the
     host with the loader's flags and FMA available, against the reference."""
-    import platform
-
-    root, reason = loader.find_csrc()
-    if root is None:
-        pytest.skip(str(reason))
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    fma = ["-mfma"] if platform.machine() in ("x86_64", "AMD64") else []
-    (tmp_path / "prog.cpp").write_text(PROGRAM)
-    build = subprocess.run(
-        [cxx, "-std=c++17", "-O3", "-Wall", "-Wextra", "-Werror", *loader._flags()[0], *fma,
-         "-I", str(root / "include"), str(tmp_path / "prog.cpp"), "-o", str(tmp_path / "prog")],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    assert build.returncode == 0, build.stderr
+    program = build_host_program(PROGRAM, tmp_path)
     gen = torch.Generator().manual_seed(0)
     n = 4096
     x = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 4)
@@ -544,11 +527,7 @@ def test_header_functions_match_the_reference(tmp_path: Any) -> None:
     lo[18:24] = torch.tensor([INF, -INF, NAN, F32_MAX, -F32_MAX, 0.0])
     quads = torch.stack([x, lo, step, u], dim=1).contiguous()
     (tmp_path / "in.bin").write_bytes(quads.numpy().tobytes())
-    run = subprocess.run(
-        [str(tmp_path / "prog"), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")],
-        capture_output=True, text=True, check=False, timeout=60,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr
+    run_host_program(program, str(tmp_path / "in.bin"), str(tmp_path / "out.bin"))
     data = (tmp_path / "out.bin").read_bytes()
     codes = torch.frombuffer(bytearray(data[:n]), dtype=torch.uint8)
     # The reference, one channel per quadruple (inner 1), its own u instead of Philox's.

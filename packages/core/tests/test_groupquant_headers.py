@@ -4,16 +4,13 @@ contraction under the loader's flags."""
 
 from __future__ import annotations
 
-import platform
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from torchstash.kernels import loader
 from torchstash.kernels.groupquant_reference import bf16_down, bf16_up
+from torchstash.testing.native import build_host_program, run_host_program
 
 PROGRAM = r"""
 #include <cstdio>
@@ -69,29 +66,11 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.Tensor, bytes]:
-    root, reason = loader.find_csrc()
-    if root is None:
-        pytest.skip(str(reason))
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
     tmp = tmp_path_factory.mktemp("groupquant_headers")
-    (tmp / "prog.cpp").write_text(PROGRAM)
-    # The loader's flags, and FMA available where the compiler can target it.
-    fma = ["-mfma"] if platform.machine() in ("x86_64", "AMD64") else []
-    build = subprocess.run(
-        [cxx, "-std=c++17", "-O3", "-Wall", "-Wextra", "-Werror", *loader._flags()[0], *fma,
-         "-I", str(root / "include"), str(tmp / "prog.cpp"), "-o", str(tmp / "prog")],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    assert build.returncode == 0, build.stderr
+    program = build_host_program(PROGRAM, tmp)  # the loader's flags, FMA where it can be
     pats = _patterns()
     (tmp / "in.bin").write_bytes(pats.numpy().tobytes())
-    run = subprocess.run(
-        [str(tmp / "prog"), str(tmp / "in.bin"), str(tmp / "out.bin")],
-        capture_output=True, text=True, check=False, timeout=120,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr
+    run_host_program(program, str(tmp / "in.bin"), str(tmp / "out.bin"), timeout=120)
     return pats, Path(tmp / "out.bin").read_bytes()
 
 

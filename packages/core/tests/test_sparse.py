@@ -10,8 +10,6 @@ keys and radix-select step, the ones the CUDA kernels call, against the referenc
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from typing import Any
 
 import pytest
@@ -22,7 +20,6 @@ from torchstash.errors import KernelUnavailable
 from torchstash.kernels import (
     OFFSET_BLOCK,
     Impl,
-    loader,
     mask_compact,
     mask_offsets,
     mask_scatter,
@@ -40,6 +37,7 @@ from torchstash.kernels.sparse_reference import (
     topk_mask_ref,
 )
 from torchstash.testing.bits import INT_VIEW, assert_bits_equal
+from torchstash.testing.native import build_host_program, run_host_program
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IMPLS: tuple[Impl, ...] = ("kernel", "ref")
@@ -644,20 +642,7 @@ int main(int argc, char** argv) {
 def test_header_functions_match_the_reference(tmp_path: Any) -> None:
     """sparse.h's keys and radix-select step (what the CUDA kernels run), in a serial top-k
     compiled for the host, against the reference."""
-    root, reason = loader.find_csrc()
-    if root is None:
-        pytest.skip(str(reason))
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    source = tmp_path / "prog.cpp"
-    source.write_text(PROGRAM)
-    build = subprocess.run(
-        [cxx, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-I", str(root / "include"),
-         str(source), "-o", str(tmp_path / "prog")],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    assert build.returncode == 0, build.stderr
+    program = build_host_program(PROGRAM, tmp_path, loader_flags=False)
     cases = [(kind, dtype, exact) for kind in KINDS for dtype in DTYPES for exact in (True, False)]
     for data_kind, dtype, exact in cases:
         segments, length = 7, 301
@@ -665,12 +650,10 @@ def test_header_functions_match_the_reference(tmp_path: Any) -> None:
         code = {torch.float16: 2, torch.bfloat16: 3}.get(dtype, 0 if exact else 1)
         (tmp_path / "in.bin").write_bytes(x.view(INT_VIEW[dtype]).numpy().tobytes())
         for k in (0, 1, 50, 150, 300, 301):
-            run = subprocess.run(
-                [str(tmp_path / "prog"), str(code), str(segments), str(k), str(tmp_path / "in.bin"),
-                 str(tmp_path / "out.bin")],
-                capture_output=True, text=True, check=False, timeout=60,
+            run_host_program(
+                program, str(code), str(segments), str(k), str(tmp_path / "in.bin"),
+                str(tmp_path / "out.bin"),
             )  # fmt: skip
-            assert run.returncode == 0, run.stderr
             got = torch.frombuffer(
                 bytearray((tmp_path / "out.bin").read_bytes()), dtype=torch.uint8
             )
