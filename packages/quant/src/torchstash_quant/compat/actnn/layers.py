@@ -19,6 +19,7 @@ from torch import nn
 
 import torchstash as ts
 
+from .._arguments import bind
 from .conf import config, strategy
 from .qbnscheme import QBNScheme
 from .qscheme import QScheme
@@ -83,15 +84,7 @@ def _q_layer(
     every = (*order, "group")
 
     def __init__(self: Any, *positional: Any, **named: Any) -> None:
-        if len(positional) > len(every):
-            raise TypeError(
-                f"{name}() takes at most {len(every)} positional arguments "
-                f"({', '.join(every)}), got {len(positional)}"
-            )
-        for arg, value in zip(every, positional, strict=False):
-            if arg in named:
-                raise TypeError(f"{name}() got multiple values for argument {arg!r}")
-            named[arg] = value
+        named = bind(name, every, positional, named)
         group = named.pop("group", 0)
         base.__init__(self, **{rename.get(k, k): v for k, v in named.items()})
         self._actnn_init(scheme(self, group))

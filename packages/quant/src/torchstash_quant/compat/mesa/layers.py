@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._arguments import bind
+
 #: Mesa's quantizer state in its layers' state_dict (and their sub-quantizers' in Softmax's
 #: and MatMul's): dropped when a Mesa checkpoint is loaded
 MESA_STATE = ("clip_val", "shift", "iteration")
@@ -62,16 +64,7 @@ def _constructor(order: tuple[str, ...]) -> Any:
     Mesa) is kept, the rest go to the torch layer."""
 
     def __init__(self: Any, *positional: Any, **named: Any) -> None:
-        cls = type(self).__name__
-        if len(positional) > len(order):
-            raise TypeError(
-                f"{cls}() takes at most {len(order)} positional arguments "
-                f"({', '.join(order)}), got {len(positional)}"
-            )
-        for name, value in zip(order, positional, strict=False):
-            if name in named:
-                raise TypeError(f"{cls}() got multiple values for argument {name!r}")
-            named[name] = value
+        named = bind(type(self).__name__, order, positional, named)
         mesa = {k: named.pop(k) for k in MESA_ARGS if k in named and k in order}
         dim = named.pop("dim", 1) if isinstance(self, nn.ReLU) else None
         base: Any = next(c for c in type(self).__mro__ if c.__module__.startswith("torch.nn"))
