@@ -24,6 +24,7 @@ def build_host_program(source: str, where: Path, *, loader_flags: bool = True) -
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         pytest.skip("no C++ compiler")
+    assert root is not None and cxx is not None  # pytest.skip raised otherwise
     (where / "prog.cpp").write_text(source)
     if loader_flags:
         fma = ["-mfma"] if platform.machine() in ("x86_64", "AMD64") else []
