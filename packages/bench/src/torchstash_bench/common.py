@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 from collections import Counter
@@ -201,7 +202,15 @@ def zoo_arguments(
     if strategies is not None:
         parser.add_argument(
             "--strategies",
+            type=split_names,
             default=",".join(strategies),
             help=f"comma-separated; options as name:key=value;key=value{hint}",
         )
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+
+
+def write_rows(path: str | None, rows: Any) -> None:
+    """The rows as JSON to ``path`` (the figure tools' ``--json``), when one is given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=2)

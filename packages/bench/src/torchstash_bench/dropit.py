@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import json
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -39,7 +38,7 @@ from torchstash.policy import parse_spec
 from torchstash.testing.models import ZooEntry, zoo
 from torchstash_dropit import FILLS, SCOPES
 
-from .common import key, megabytes, rows_table, zoo_arguments
+from .common import key, megabytes, rows_table, write_rows, zoo_arguments
 from .demo import build_model, lm_loss
 from .demo_task import DemoConfig, load_corpus, train_starts, windows
 
@@ -309,13 +308,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = saved_bytes_table()
             console.print(bytes_table(rows))
         else:
-            rows = zoo_saved_bytes(args.scale, [s for s in args.strategies.split(",") if s])
+            rows = zoo_saved_bytes(args.scale, args.strategies)
             console.print(zoo_table(rows, args.scale))
     except (PolicyError, ts.errors.OptionError) as e:
         parser.error(str(e))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    write_rows(args.json, rows)
     return 0
 
 

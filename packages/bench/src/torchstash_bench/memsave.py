@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -34,7 +33,7 @@ from torch import nn
 import torchstash as ts
 from torchstash.testing.models import ZooEntry, zoo
 
-from .common import key, megabytes, rows_table, zoo_arguments
+from .common import key, megabytes, rows_table, write_rows, zoo_arguments
 
 PATTERNS = ("all", "input", "last", "norms", "bn-eval", "conv-bn-eval", "input-bn-eval")
 NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
@@ -204,9 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unknown pattern {p!r}; use {', '.join(PATTERNS)}")
     rows = evaluate(args.scale, patterns, args.models.split(","), args.repeat)
     Console().print(table(rows, args.scale))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    write_rows(args.json, rows)
     return 0 if all(r.get("exact", True) for r in rows) else 1
 
 

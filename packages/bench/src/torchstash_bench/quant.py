@@ -10,7 +10,6 @@ come from this command.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +22,7 @@ from torchstash.errors import PolicyError
 from torchstash.policy import parse_spec
 from torchstash.testing.models import ZooEntry, zoo
 
-from .common import key, rows_table, zoo_arguments
+from .common import key, rows_table, write_rows, zoo_arguments
 
 STRATEGIES = (
     "quant.int8",
@@ -99,13 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     zoo_arguments(parser, STRATEGIES, " (quant.auto:budget=3)")
     args = parser.parse_args(argv)
     try:
-        rows = evaluate(args.scale, [s for s in args.strategies.split(",") if s])
+        rows = evaluate(args.scale, args.strategies)
     except PolicyError as e:
         parser.error(str(e))
     Console().print(table(rows, args.scale))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    write_rows(args.json, rows)
     return 0
 
 

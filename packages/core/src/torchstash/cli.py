@@ -267,7 +267,7 @@ def cmd_external(name: str, rest: list[str]) -> int:
         _console(stderr=True).print(
             f"torchstash {name}: this command comes with {dist}, which is not installed here; "
             f'pip install "{dist}" (or "torchstash[bench]"), or from a checkout '
-            "`python3 -m nox -s demo`"
+            f"`python3 -m nox -s {name}`"
         )
         return 2
     return int(ep.load()(rest) or 0)

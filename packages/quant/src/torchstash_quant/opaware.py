@@ -369,7 +369,7 @@ class OpAware(BaseCompressor):
             # a map stored after all (no recipe reached it): not below q's and k's width
             widest = max(SCORES_BITS, self.attn_bits or 0)
             return self.group.compress_as(x, site, GroupCode(widest, rows))
-        bits = {"attn": self.attn_bits, "act": self.act_bits}.get(kind)
+        bits = self.attn_bits if kind == "attn" else self.act_bits if kind == "act" else None
         return self.group.compress_as(x, site, GroupCode(bits, rows))
 
     def _centered_layout(self, x: torch.Tensor, site: Site) -> tuple[bool, int] | None:

@@ -43,7 +43,7 @@ from .replay import (
 )
 from .scope import Scoping, ThreadState
 from .tally import Row, Tally
-from .totals import add, diff, snapshot
+from .totals import diff, snapshot
 
 Resolver = Callable[[Site, frozenset[str]], "Compressor | None"]
 
@@ -253,7 +253,7 @@ class Engine(Scoping, Recomputation):
         if decided(entry, tls.shared) != move.decided:
             counted = diff(before, scratch)
             self._missed(tls)
-            add(self.tally, counted)
+            self.tally.add_forward(counted)
             return saved
         if move.keyed:
             tls.entries[i] = entry

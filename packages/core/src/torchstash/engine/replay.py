@@ -39,7 +39,7 @@ from .params import parameter_copy
 from .rederive import Rederive, rebuild
 from .regions import Key, Region, place
 from .tally import Row
-from .totals import Totals, add, diff, snapshot
+from .totals import Totals, diff, snapshot
 
 if TYPE_CHECKING:
     from .tally import Tally
@@ -526,7 +526,7 @@ class Replayer:
         done = tls.position
         tally = self.tally
         if done == len(trace.moves):
-            add(tally, trace.totals)
+            tally.add_forward(trace.totals)
             tally.param_refs += trace.param_refs
             self.replayed += 1
             self.misses_in_a_row = 0

@@ -1,5 +1,5 @@
 """What a whole recorded forward adds to each row of the tally: a replayed forward counts
-its recording's totals instead of counting each save."""
+its recording's totals instead of counting each save (:meth:`~.tally.Tally.add_forward`)."""
 
 from __future__ import annotations
 
@@ -59,9 +59,4 @@ def diff(before: dict[str, tuple[Any, ...]], tally: Tally) -> list[Totals]:
     return out
 
 
-def add(tally: Tally, totals: list[Totals]) -> None:
-    """Count ``totals`` in ``tally``'s rows (when they are next read)."""
-    tally.add_forward(totals)
-
-
-__all__ = ["COUNTS", "Totals", "add", "diff", "snapshot"]
+__all__ = ["COUNTS", "Totals", "diff", "snapshot"]
