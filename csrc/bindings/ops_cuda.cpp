@@ -205,6 +205,22 @@ at::Tensor fp8_dequantize_cuda(const at::Tensor& codes, const at::Tensor& scale,
   return out;
 }
 
+at::Tensor level_quantize_cuda(const at::Tensor& x, const at::Tensor& levels, std::int64_t bits,
+                               std::int64_t seed) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const groupquant::FloatKind kind = bindings::check_level_quantize(x, levels, bits);
+  const at::Tensor c = x.contiguous();
+  const at::Tensor l = levels.contiguous();
+  const std::int64_t n = c.numel();
+  at::Tensor out = c.new_empty({bitpack::packed_size(n, static_cast<int>(bits))}, c.options().dtype(at::kByte));
+  // seed is a 64-bit pattern: a Python value in [2^63, 2^64) arrives negative.
+  C10_CUDA_CHECK(cuda::launch_level_quantize(c.const_data_ptr(), kind, n, l.const_data_ptr<float>(),
+                                             static_cast<int>(l.numel()), static_cast<int>(bits),
+                                             static_cast<std::uint64_t>(seed), out.mutable_data_ptr<std::uint8_t>(),
+                                             current_stream()));
+  return out;
+}
+
 at::Tensor sign_pack_cuda(const at::Tensor& x) {
   const c10::cuda::CUDAGuard guard(x.device());
   const SignKind kind = bindings::sign_kind("sign_pack", "x", x.scalar_type());
@@ -320,6 +336,7 @@ TORCH_LIBRARY_IMPL(torchstash, CUDA, m) {
   m.impl("row_group_dequantize", &torchstash::row_group_dequantize_cuda);
   m.impl("fp8_quantize", &torchstash::fp8_quantize_cuda);
   m.impl("fp8_dequantize", &torchstash::fp8_dequantize_cuda);
+  m.impl("level_quantize", &torchstash::level_quantize_cuda);
   m.impl("sign_pack", &torchstash::sign_pack_cuda);
   m.impl("sign_unpack", &torchstash::sign_unpack_cuda);
   m.impl("topk_mask", &torchstash::topk_mask_cuda);

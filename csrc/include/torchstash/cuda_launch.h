@@ -62,6 +62,12 @@ cudaError_t launch_fp8_quantize(const void* x, groupquant::FloatKind kind, index
 cudaError_t launch_fp8_dequantize(const std::uint8_t* codes, const std::uint16_t* scale, index_t n,
                                   index_t group_size, groupquant::FloatKind kind, void* out, cudaStream_t stream);
 
+// out[0, ceil(n * bits / 8)) <- the packed codes of x[0, n) rounded stochastically to
+// levels[0, nlevels) (ascending) with Philox uniforms of (seed, 0); NaN gets the top code
+// (level_quantize_ref is the definition).
+cudaError_t launch_level_quantize(const void* x, groupquant::FloatKind kind, index_t n, const float* levels,
+                                  int nlevels, int bits, std::uint64_t seed, std::uint8_t* out, cudaStream_t stream);
+
 // out[0, ceil(n / 8)) <- 1 bits where x[k] is above zero or NaN (signs.h).
 cudaError_t launch_sign_pack(const void* x, SignKind kind, index_t n, std::uint8_t* out, cudaStream_t stream);
 

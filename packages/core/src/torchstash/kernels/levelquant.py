@@ -2,8 +2,9 @@
 sorted levels and bit-packed, in one pass (the derivative codes of GELU and SiLU round
 f'(x) to the levels of f': torchstash-quant's ``derivs``).
 
-The compiled kernel runs on the CPU; elsewhere the same steps run as PyTorch ops over the
-Philox and bit-packing kernels (the same bits). The bit-exact definition is
+Compiled kernels for the CPU and CUDA (one pass, nothing allocated but the codes); without
+them the same steps run as PyTorch ops over the Philox and bit-packing kernels (the same
+bits, with float32 temporaries of several times the input). The bit-exact definition is
 :func:`level_quantize_ref`.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import KernelUnavailable
 from ._checks import as_int64, check_bits, check_u64
 from ._dispatch import Impl, use_kernel
 from .bitpack import pack_bits
@@ -82,14 +82,9 @@ def level_quantize(
     is the value itself within the levels' range. ``seed`` in [0, 2**64) picks the uniforms."""
     op = "level_quantize"
     _check(x, levels, bits, seed, op=op)
-    if x.device.type == "cpu" and use_kernel(impl, x.device):
+    if use_kernel(impl, x.device):
         out: torch.Tensor = torch.ops.torchstash.level_quantize(x, levels, bits, as_int64(seed))
         return out
-    if impl == "kernel":
-        raise KernelUnavailable(
-            f"{op}: its compiled kernel runs on the CPU only, x is on {x.device}; "
-            "impl='auto' runs the same steps as PyTorch ops"
-        )
     if impl == "ref":
         return level_quantize_ref(x, levels, bits, seed)
     return _composed(x, levels, bits, seed, golden=False)
