@@ -9,8 +9,9 @@ pool indices (memsave's pooling layers, quant's op-aware codes).
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -63,6 +64,57 @@ def _window_base(in_sizes: Sequence[int], starts: list[torch.Tensor]) -> torch.T
     return base
 
 
+def _encode_table(
+    in_sizes: tuple[int, ...],
+    kernel: tuple[int, ...],
+    dilation: tuple[int, ...],
+    device: torch.device,
+) -> tuple[torch.Tensor, int]:
+    """(offset - lowest offset -> position in the window, the lowest offset)."""
+    offsets = _window_offsets(in_sizes, kernel, dilation)
+    low = min(offsets)
+    dtype = torch.uint8 if len(offsets) <= 256 else torch.int16
+    table = torch.zeros(max(offsets) - low + 1, dtype=dtype)
+    table[torch.tensor([o - low for o in offsets])] = torch.arange(len(offsets), dtype=dtype)
+    return table.to(device), low
+
+
+def _decode_table(
+    in_sizes: tuple[int, ...],
+    kernel: tuple[int, ...],
+    dilation: tuple[int, ...],
+    device: torch.device,
+) -> tuple[torch.Tensor, int]:
+    """(position in the window -> offset, 0)."""
+    offsets = _window_offsets(in_sizes, kernel, dilation)
+    return torch.tensor(offsets, dtype=_index_dtype(in_sizes)).to(device), 0
+
+
+_Build = Callable[
+    [tuple[int, ...], tuple[int, ...], tuple[int, ...], torch.device], tuple[torch.Tensor, int]
+]
+_cached_encode = functools.lru_cache(maxsize=128)(_encode_table)
+_cached_decode = functools.lru_cache(maxsize=128)(_decode_table)
+
+
+def _tables(
+    like: torch.Tensor,
+    build: _Build,
+    in_sizes: Sequence[int],
+    kernel: Sequence[int],
+    dilation: Sequence[int],
+) -> tuple[torch.Tensor, int]:
+    """A window's lookup table on ``like``'s device, built once per geometry and device: a
+    table built from host values each call is a host-to-device copy the host waits for (on
+    CUDA, one per pool in forward and one in backward). A traced or fake tensor (inside
+    ``torch.compile``, a fake mode) gets a table of its own, never a cached one."""
+    key = (tuple(map(int, in_sizes)), tuple(map(int, kernel)), tuple(map(int, dilation)))
+    if type(like) is not torch.Tensor or torch.compiler.is_compiling():
+        return build(*key, like.device)
+    cached = _cached_encode if build is _encode_table else _cached_decode
+    return cached(*key, like.device)
+
+
 def encode_positions(
     indices: torch.Tensor,
     in_sizes: Sequence[int],
@@ -78,14 +130,7 @@ def encode_positions(
     index outside its window gets some position, never an error: a caller that cannot trust
     the indices checks :func:`decode_positions` gives them back.
     """
-    offsets = _window_offsets(in_sizes, kernel, dilation)
-    low = min(offsets)
-    dtype = torch.uint8 if len(offsets) <= 256 else torch.int16
-    device = indices.device
-    table = torch.zeros(max(offsets) - low + 1, dtype=dtype, device=device)
-    table[torch.tensor([o - low for o in offsets], device=device)] = torch.arange(
-        len(offsets), dtype=dtype, device=device
-    )
+    table, low = _tables(indices, _encode_table, in_sizes, kernel, dilation)
     itype = _index_dtype(in_sizes)
     relative = indices.to(itype, copy=True)  # a copy: the caller's indices stay as they are
     relative.sub_(_window_base(in_sizes, [s.to(itype) for s in starts])).sub_(low)
@@ -103,7 +148,6 @@ def decode_positions(
     """Row-major positions inside windows -> flat spatial indices (int64): the window's first
     position plus the position's offset, looked up."""
     itype = _index_dtype(in_sizes)
-    offsets = _window_offsets(in_sizes, kernel, dilation)
-    table = torch.tensor(offsets, dtype=itype, device=code.device)
+    table, _ = _tables(code, _decode_table, in_sizes, kernel, dilation)
     found = torch.index_select(table, 0, code.reshape(-1).to(itype)).view(code.shape)
     return found.add_(_window_base(in_sizes, [s.to(itype) for s in starts])).long()
