@@ -39,7 +39,7 @@ def host_waits() -> Iterator[list[list[str]]]:
     found: list[list[str]] = []
 
     def show(message: object, *args: object, **kwargs: object) -> None:
-        if "synchronizing" in str(message):
+        if "called a synchronizing CUDA operation" in str(message):
             stack = traceback.extract_stack()[:-1]  # less this function, and the warnings module's
             found.append([f.name for f in stack if not f.filename.endswith("warnings.py")])
 
