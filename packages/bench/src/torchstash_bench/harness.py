@@ -10,6 +10,7 @@ ratio includes torchstash's own overhead. ``none`` also gets a row of its own: t
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -115,7 +116,8 @@ def measure_one(
     except Exception as e:  # one strategy's failure must not stop the others
         row["error"] = error_text(e)
     finally:
-        if device.type == "cuda":
+        if device.type == "cuda":  # the next row's peak starts from the weights it builds
+            gc.collect()
             torch.cuda.empty_cache()
     return row
 

@@ -178,15 +178,23 @@ def apply(
     plan = _as_plan(strategy, policy, options, registry)
     plan.check_types({n for m in model.modules() for n in tags.type_names(m)})
 
-    modules: list[nn.Module] = []  # the model's, once rewritten: read at the first forward
+    # The model's modules, once rewritten: read at the first forward. Held weakly: the
+    # engine keeps this function, and an engine in a reference cycle (its replayer) must
+    # not keep a removed model's weights alive until the garbage collector runs.
+    root = weakref.ref(model)
+    modules: list[weakref.ref[nn.Module]] = []
 
     def params_and_buffers() -> set[int]:
         """Read once a recorded forward: the modules' own dicts, not ``model.parameters()``,
         whose generators cost a millisecond a step on a model of a hundred modules."""
         if not modules:
-            modules.extend(model.modules())
+            found = root()
+            modules.extend(weakref.ref(m) for m in (found.modules() if found else ()))
         ptrs = set()
-        for m in modules:
+        for ref in modules:
+            m = ref()
+            if m is None:
+                continue
             for p in m._parameters.values():
                 if p is not None:
                     ptrs.add(storage_base(p))
