@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from torchstash import windows
 from torchstash.windows import decode_positions, encode_positions, window_bits, window_starts
@@ -69,3 +70,15 @@ def test_window_bits() -> None:
         8,
         None,
     ]
+
+
+def test_tables_are_built_once_per_geometry_and_device() -> None:
+    """A host-built table copied to the device on every call would make the host wait for the
+    device once per pool (on CUDA); a fake tensor's tables are never cached."""
+    x = torch.zeros(2, 3, dtype=torch.long)
+    first = windows._tables(x, [8, 8], [3, 3], [1, 1])
+    assert windows._tables(x, (8, 8), (3, 3), (1, 1))[0] is first[0]
+    assert windows._tables(x, [8, 8], [2, 2], [1, 1])[0] is not first[0]
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(x)
+        assert windows._tables(fake, [8, 8], [3, 3], [1, 1])[0] is not first[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -64,55 +64,41 @@ def _window_base(in_sizes: Sequence[int], starts: list[torch.Tensor]) -> torch.T
     return base
 
 
-def _encode_table(
+@functools.lru_cache(maxsize=128)
+def _cached_tables(
     in_sizes: tuple[int, ...],
     kernel: tuple[int, ...],
     dilation: tuple[int, ...],
     device: torch.device,
-) -> tuple[torch.Tensor, int]:
-    """(offset - lowest offset -> position in the window, the lowest offset)."""
+) -> tuple[torch.Tensor, int, torch.Tensor]:
+    return _window_tables(in_sizes, kernel, dilation, device)
+
+
+def _window_tables(
+    in_sizes: Sequence[int], kernel: Sequence[int], dilation: Sequence[int], device: torch.device
+) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """(offset - lowest offset -> position in the window, the lowest offset, position ->
+    offset), on ``device``."""
     offsets = _window_offsets(in_sizes, kernel, dilation)
     low = min(offsets)
     dtype = torch.uint8 if len(offsets) <= 256 else torch.int16
-    table = torch.zeros(max(offsets) - low + 1, dtype=dtype)
-    table[torch.tensor([o - low for o in offsets])] = torch.arange(len(offsets), dtype=dtype)
-    return table.to(device), low
-
-
-def _decode_table(
-    in_sizes: tuple[int, ...],
-    kernel: tuple[int, ...],
-    dilation: tuple[int, ...],
-    device: torch.device,
-) -> tuple[torch.Tensor, int]:
-    """(position in the window -> offset, 0)."""
-    offsets = _window_offsets(in_sizes, kernel, dilation)
-    return torch.tensor(offsets, dtype=_index_dtype(in_sizes)).to(device), 0
-
-
-_Build = Callable[
-    [tuple[int, ...], tuple[int, ...], tuple[int, ...], torch.device], tuple[torch.Tensor, int]
-]
-_cached_encode = functools.lru_cache(maxsize=128)(_encode_table)
-_cached_decode = functools.lru_cache(maxsize=128)(_decode_table)
+    encode = torch.zeros(max(offsets) - low + 1, dtype=dtype)
+    encode[torch.tensor([o - low for o in offsets])] = torch.arange(len(offsets), dtype=dtype)
+    decode = torch.tensor(offsets, dtype=_index_dtype(in_sizes))
+    return encode.to(device), low, decode.to(device)
 
 
 def _tables(
-    like: torch.Tensor,
-    build: _Build,
-    in_sizes: Sequence[int],
-    kernel: Sequence[int],
-    dilation: Sequence[int],
-) -> tuple[torch.Tensor, int]:
-    """A window's lookup table on ``like``'s device, built once per geometry and device: a
+    like: torch.Tensor, in_sizes: Sequence[int], kernel: Sequence[int], dilation: Sequence[int]
+) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """A window's lookup tables on ``like``'s device, built once per geometry and device: a
     table built from host values each call is a host-to-device copy the host waits for (on
     CUDA, one per pool in forward and one in backward). A traced or fake tensor (inside
-    ``torch.compile``, a fake mode) gets a table of its own, never a cached one."""
-    key = (tuple(map(int, in_sizes)), tuple(map(int, kernel)), tuple(map(int, dilation)))
+    ``torch.compile``, a fake mode) gets tables of its own, never cached ones."""
     if type(like) is not torch.Tensor or torch.compiler.is_compiling():
-        return build(*key, like.device)
-    cached = _cached_encode if build is _encode_table else _cached_decode
-    return cached(*key, like.device)
+        return _window_tables(in_sizes, kernel, dilation, like.device)
+    key = (tuple(map(int, in_sizes)), tuple(map(int, kernel)), tuple(map(int, dilation)))
+    return _cached_tables(*key, like.device)
 
 
 def encode_positions(
@@ -130,7 +116,7 @@ def encode_positions(
     index outside its window gets some position, never an error: a caller that cannot trust
     the indices checks :func:`decode_positions` gives them back.
     """
-    table, low = _tables(indices, _encode_table, in_sizes, kernel, dilation)
+    table, low, _ = _tables(indices, in_sizes, kernel, dilation)
     itype = _index_dtype(in_sizes)
     relative = indices.to(itype, copy=True)  # a copy: the caller's indices stay as they are
     relative.sub_(_window_base(in_sizes, [s.to(itype) for s in starts])).sub_(low)
@@ -148,6 +134,6 @@ def decode_positions(
     """Row-major positions inside windows -> flat spatial indices (int64): the window's first
     position plus the position's offset, looked up."""
     itype = _index_dtype(in_sizes)
-    table, _ = _tables(code, _decode_table, in_sizes, kernel, dilation)
+    _, _, table = _tables(code, in_sizes, kernel, dilation)
     found = torch.index_select(table, 0, code.reshape(-1).to(itype)).view(code.shape)
     return found.add_(_window_base(in_sizes, [s.to(itype) for s in starts])).long()
