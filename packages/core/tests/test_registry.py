@@ -494,3 +494,43 @@ def test_a_compressor_error_names_the_distribution_from_the_plans_registry() -> 
         pytest.raises(CompressionError, match="strategy 'mine.broken'"),
     ):
         model(torch.randn(8, 64, requires_grad=True))
+
+
+def test_a_strategy_table_registers_what_it_declares_in_order() -> None:
+    """``torchstash.declare``: each decorated factory is registered as declared (the
+    factory itself stays callable), and a clash is the registry's error, naming the name."""
+    from torchstash.declare import StrategyTable
+
+    table = StrategyTable()
+
+    @table.strategy("t.first", lossless=True, summary="first", candidate=True)
+    def first() -> object:
+        return torchstash.AS_IS
+
+    table.strategy("t.second", lossless=False, summary="second", preset=True)(lambda: None)
+    registry = Registry.fresh()
+    table.register(registry)
+    got = registry.get("t.first")
+    assert (got.factory, got.lossless, got.candidate) == (first, True, True)
+    assert registry.get("t.second").preset and not registry.get("t.second").lossless
+    assert [d.name for d in table.declared] == ["t.first", "t.second"]
+    assert first() is torchstash.AS_IS
+    with pytest.raises(RegistryError, match="t.first"):
+        table.register(registry)
+
+
+def test_a_strategy_table_takes_the_summary_from_the_docstring() -> None:
+    from torchstash.declare import StrategyTable
+
+    table = StrategyTable()
+
+    @table.strategy("t.doc", lossless=True)
+    def documented() -> object:
+        """Keeps what it is given.
+
+        More words that the summary leaves out."""
+        return torchstash.AS_IS
+
+    assert table.declared[0].summary == "Keeps what it is given"
+    with pytest.raises(TypeError, match="'t.bare': give summary= or a docstring"):
+        table.strategy("t.bare", lossless=True)(lambda: None)

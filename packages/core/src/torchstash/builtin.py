@@ -2,40 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol
-
 from .compressor import AS_IS
+from .declare import Registering, StrategyTable
 from .offload import CpuOffload
 
-
-class Registering(Protocol):
-    """What :func:`register` needs of a registry (the registry calls it: no import back)."""
-
-    def register(
-        self, name: str, factory: Callable[..., Any], *, lossless: bool, summary: str
-    ) -> object: ...
+STRATEGIES = StrategyTable()
 
 
+@STRATEGIES.strategy("none", lossless=True)
 def _none() -> object:
-    """Stores every saved tensor as it is (and counts it): the baseline for measurement."""
+    """Identity: stores saved tensors as they are and counts them (the baseline)."""
     return AS_IS
 
 
+@STRATEGIES.strategy("offload.cpu", lossless=True)
 def _offload_cpu(prefetch: int = 2, pin_memory: bool = True) -> CpuOffload:
+    """Saved tensors to pinned host memory on a side stream, prefetched for backward."""
     return CpuOffload(prefetch=prefetch, pin_memory=pin_memory)
 
 
 def register(registry: Registering) -> None:
-    registry.register(
-        "none",
-        _none,
-        lossless=True,
-        summary="identity: stores saved tensors as they are and counts them",
-    )
-    registry.register(
-        "offload.cpu",
-        _offload_cpu,
-        lossless=True,
-        summary="saved tensors to pinned host memory on a side stream, prefetched for backward",
-    )
+    STRATEGIES.register(registry)

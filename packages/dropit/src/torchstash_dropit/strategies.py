@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from torchstash.declare import StrategyTable
+
 from .mink import MinK
 from .randomdrop import RandomDrop
 
 if TYPE_CHECKING:
     from torchstash.registry import Registry
 
+STRATEGIES = StrategyTable()
 
+
+@STRATEGIES.strategy("dropit.mink", lossless=False)
 def mink(
     gamma: float = 0.9,
     scope: str = "feature",
@@ -22,11 +27,13 @@ def mink(
     dense: str = "exact",
     indices: str = "device",
 ) -> MinK:
+    """DropIT: keep the largest (1 - gamma) of linear/conv inputs (bitmap or offsets)."""
     return MinK(
         gamma, scope, storage, exact, min_numel, fill=fill, keep=keep, dense=dense, indices=indices
     )
 
 
+@STRATEGIES.strategy("dropit.random", lossless=False)
 def random(
     p: float = 0.9,
     scope: str = "tensor",
@@ -37,20 +44,10 @@ def random(
     dense: str = "exact",
     indices: str = "device",
 ) -> RandomDrop:
+    """Keep a random (1 - p) of linear/conv inputs, rescaled (unbiased)."""
     return RandomDrop(p, scope, storage, seed, min_numel, keep=keep, dense=dense, indices=indices)
 
 
 def register(registry: Registry) -> None:
     """Register ``dropit.mink`` and ``dropit.random``."""
-    registry.register(
-        "dropit.mink",
-        mink,
-        lossless=False,
-        summary="DropIT: keep the largest (1 - gamma) of linear/conv inputs (bitmap or offsets)",
-    )
-    registry.register(
-        "dropit.random",
-        random,
-        lossless=False,
-        summary="keep a random (1 - p) of linear/conv inputs, rescaled (unbiased)",
-    )
+    STRATEGIES.register(registry)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from torchstash.declare import StrategyTable
+
 from ._options import check_flag
 from .functional.act import RELU_MASK, RELU_OP
 from .rewriter import MemSaveRewriter
@@ -11,7 +13,10 @@ from .rewriter import MemSaveRewriter
 if TYPE_CHECKING:
     from torchstash.registry import Registry
 
+STRATEGIES = StrategyTable()
 
+
+@STRATEGIES.strategy("memsave", lossless=True, candidate=True)
 def memsave(
     conv: bool = True,
     batchnorm: bool = True,
@@ -23,7 +28,10 @@ def memsave(
     maxpool: bool = True,
     avgpool: bool = True,
 ) -> MemSaveRewriter:
-    """The ``memsave`` strategy; each flag turns one layer family off."""
+    """Layers that save only what this step's gradients need (exact).
+
+    The ``memsave`` strategy; each flag turns one layer family off.
+    """
     flags = {
         "conv": conv,
         "batchnorm": batchnorm,
@@ -42,13 +50,7 @@ def memsave(
 
 def register(registry: Registry) -> None:
     """Register the ``memsave`` strategy, and the default code of memsave's ReLU."""
-    registry.register(
-        "memsave",
-        memsave,
-        lossless=True,
-        summary="layers that save only what this step's gradients need (exact)",
-        candidate=True,
-    )
+    STRATEGIES.register(registry)
     registry.register_op_default(
         RELU_OP,
         lambda: RELU_MASK,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchstash.compressor import Composed, Compressor
+from torchstash.declare import StrategyTable
 from torchstash.errors import OptionError
 from torchstash.offload import CpuOffload
 from torchstash.registry import AS_IS
@@ -25,6 +26,8 @@ from .opaware import OpAware
 
 if TYPE_CHECKING:
     from torchstash.registry import Registry
+
+STRATEGIES = StrategyTable()
 
 
 #: ``deriv_bits="auto"`` per width: where derivative codes helped in the demo's training. At 2
@@ -63,6 +66,7 @@ NORM_DEFAULT: dict[int, int | None] = {1: 4, 2: 8, 4: 8, 8: None}
 AUTO_START_NORM: dict[int, int | None] = {1: 4, 2: 4, 4: 8, 8: None}
 
 
+@STRATEGIES.strategy("quant", lossless=False, preset=True)
 def quant(
     bits: int = 8,
     group_size: int = 256,
@@ -74,7 +78,9 @@ def quant(
     act_bits: int | str | None = "auto",
     derive: bool = True,
 ) -> OpAware:
-    """Per-group quantization at ``bits`` (1, 2, 4 or 8), plus exact 1-bit ReLU and mask codes;
+    """Per-group stochastic quantization at bits=1/2/4/8 (default 8).
+
+    Per-group quantization at ``bits`` (1, 2, 4 or 8), plus exact 1-bit ReLU and mask codes;
     inputs of normalization ops at ``norm_bits`` (``"auto"``: 8 when ``bits`` is 2 or 4, 4 at 1;
     None: at ``bits`` like everything else); GELU/SiLU inputs as derivative codes of
     ``deriv_bits`` (``"auto"``: 2 bits below 4, else their values; see :data:`DERIV_DEFAULT`);
@@ -83,7 +89,8 @@ def quant(
     GELU/SiLU inputs as values at ``act_bits`` (``"auto"``: see :data:`ACT_DEFAULT`; None:
     derivative codes or values as above). With ``derive``, LayerNorm inputs (at ``norm_bits``)
     and GELU/SiLU inputs stored as values stand in for the ops' outputs: the next op's saved
-    input is recomputed from them (:mod:`torchstash.derive`)."""
+    input is recomputed from them (:mod:`torchstash.derive`).
+    """
     name = f"quant.int{bits}"
     values = GroupQuantizer(bits, group_size, stochastic, seed, name=name)
     width = check_deriv_bits(deriv_bits, name, DERIV_DEFAULT.get(values.bits))
@@ -114,6 +121,7 @@ def _fixed(bits: int) -> Callable[..., OpAware]:
     return functools.partial(quant, bits)
 
 
+@STRATEGIES.strategy("quant.mesa", lossless=False)
 def mesa(
     bits: int = 8,
     ema_decay: float = 0.9,
@@ -122,9 +130,11 @@ def mesa(
     seed: int | None = None,
     group_size: int | None = None,
 ) -> OpAware:
+    """Mesa: 8-bit head-wise codes from running (EMA) ranges, widened: nothing wraps."""
     return OpAware(MesaQuantizer(bits, ema_decay, groups, stochastic, seed, group_size))
 
 
+@STRATEGIES.strategy("quant.auto", lossless=False)
 def auto(
     budget: float = 2.0,
     bits: tuple[int, ...] = (1, 2, 4, 8),
@@ -135,13 +145,16 @@ def auto(
     deriv_bits: int | str | None = "auto",
     derive: bool = True,
 ) -> OpAware:
-    """Mixed precision: ``budget`` average bits per saved element, re-allocated every
+    """Mixed 1/2/4/8-bit under an average budget (default 2), from range x gradient.
+
+    Mixed precision: ``budget`` average bits per saved element, re-allocated every
     ``interval`` steps. With ``derive``, LayerNorm, GELU/SiLU and attention outputs are
     recomputed from their stored inputs and count in the average at no bits, so the stored
     codes get wider ones. GELU/SiLU inputs as derivative codes of ``deriv_bits`` (``"auto"``:
     none with ``derive``, whose recomputation needs their values; else 2 below a budget of 4).
     Measured in the demo at budget 2: derive took the final loss from +6.4% over stock at
-    14.55x to +1.7% at 14.84x (see the README)."""
+    14.55x to +1.7% at 14.84x (see the README).
+    """
     values = AutoQuantizer(budget, bits, group_size, interval, stochastic, seed)
     if derive:
         values.unranked_bits = dict(UNRANKED_BITS)
@@ -157,7 +170,9 @@ def auto(
     return OpAware(values, derivs=derivs, derive=bool(derive))
 
 
+@STRATEGIES.strategy("quant.fp8", lossless=False)
 def fp8(group_size: int = 256) -> OpAware:
+    """Float codes in e4m3 with a per-group scale."""
     return OpAware(Fp8Quantizer(group_size))
 
 
@@ -190,51 +205,24 @@ def _level_factory(name: str) -> Callable[..., object]:
     return build
 
 
+for _bits in (8, 4, 2, 1):
+    STRATEGIES.strategy(
+        f"quant.int{_bits}",
+        lossless=False,
+        summary=f"{_bits}-bit per-group stochastic quantization (ActNN/GACT scheme, fused)",
+        candidate=_bits >= 2,  # a memory budget tries int8, int4, int2
+    )(_fixed(_bits))
+for _name in LEVELS:
+    STRATEGIES.strategy(
+        f"quant.{_name}", lossless=_name == "L0", summary=SUMMARIES[_name], preset=True
+    )(_level_factory(_name))
+
+
 def register(registry: Registry) -> None:
-    registry.register(
-        "quant",
-        quant,
-        lossless=False,
-        summary="per-group stochastic quantization at bits=1/2/4/8 (default 8)",
-        preset=True,
-    )
-    for bits in (8, 4, 2, 1):
-        registry.register(
-            f"quant.int{bits}",
-            _fixed(bits),
-            lossless=False,
-            summary=f"{bits}-bit per-group stochastic quantization (ActNN/GACT scheme, fused)",
-            candidate=bits >= 2,  # a memory budget tries int8, int4, int2
-        )
-    registry.register(
-        "quant.mesa",
-        mesa,
-        lossless=False,
-        summary="Mesa: 8-bit head-wise codes from running (EMA) ranges, widened: nothing wraps",
-    )
-    registry.register(
-        "quant.auto",
-        auto,
-        lossless=False,
-        summary="mixed 1/2/4/8-bit under an average budget (default 2), from range x gradient",
-    )
-    for name in LEVELS:
-        registry.register(
-            f"quant.{name}",
-            _level_factory(name),
-            lossless=name == "L0",
-            summary=SUMMARIES[name],
-            preset=True,
-        )
+    STRATEGIES.register(registry)
     registry.register_policy_format(
         "quant.mesa",
         parse_mesa,
         summary="Mesa's policy text (on <tag>: blocks of by_index/enable/level/ema_decay)",
         fallback=True,  # Mesa's files have no suffix of their own
-    )
-    registry.register(
-        "quant.fp8",
-        fp8,
-        lossless=False,
-        summary="e4m3 float codes with a per-group scale",
     )
