@@ -19,7 +19,7 @@ import inspect
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from . import env
 from . import options as _options
@@ -31,6 +31,8 @@ from .errors import (
     RegistryError,
     UnknownStrategyError,
 )
+
+_T = TypeVar("_T")
 
 GROUP = "torchstash.plugins"
 IN_PROCESS = "<in-process>"
@@ -322,13 +324,11 @@ class Registry:
         return claimed[0] if claimed else None
 
     def policy_formats(self) -> list[PolicyFormat]:
-        self.load_all()
-        return [self._formats[n] for n in sorted(self._formats)]
+        return self._every(self._formats)
 
     def op_defaults(self) -> list[OpDefault]:
         """Every op default, after loading every plug-in (``torchstash list`` shows them)."""
-        self.load_all()
-        return [self._op_defaults[f] for f in sorted(self._op_defaults)]
+        return self._every(self._op_defaults)
 
     def unregister(self, name: str) -> None:
         with self._lock:
@@ -412,13 +412,16 @@ class Registry:
         return sorted(found, key=lambda s: not s.lossless)
 
     def strategies(self) -> list[Strategy]:
-        self.load_all()
-        return [self._strategies[n] for n in sorted(self._strategies)]
+        return self._every(self._strategies)
 
     def plugins(self) -> list[PluginRecord]:
         """Every plug-in's load record (loads them all), for ``torchstash doctor``."""
+        return self._every(self._plugins)
+
+    def _every(self, table: dict[str, _T]) -> list[_T]:
+        """``table``'s values by name, once every plug-in is loaded."""
         self.load_all()
-        return [self._plugins[p] for p in sorted(self._plugins)]
+        return [table[name] for name in sorted(table)]
 
     def load_all(self) -> None:
         with self._lock:

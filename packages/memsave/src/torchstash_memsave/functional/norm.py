@@ -125,34 +125,16 @@ class BatchNormFunction(torch.autograd.Function):
         if w_layout is not None:
             weight = standin(w_layout)
         mask = list(ctx.needs_input_grad[:3])
+        # what both backward kernels read after their inputs, in the same order
+        rest = (weight, running_mean, running_var, save_mean, save_invstd, training, eps, mask)
         if impl == _NATIVE or not training:
-            gx, gw, gb = aten.native_batch_norm_backward(
-                grad,
-                x,
-                weight,
-                running_mean,
-                running_var,
-                save_mean,
-                save_invstd,
-                training,
-                eps,
-                mask,
-            )
+            gx, gw, gb = aten.native_batch_norm_backward(grad, x, *rest)
         else:  # CUDA only (cuDNN / MIOpen): untested on CPU-only machines
+            layout = suggest_memory_format(x)  # what cuDNN was given
             gx, gw, gb = aten._batch_norm_impl_index_backward(
-                impl,
-                x.contiguous(memory_format=suggest_memory_format(x)),  # what cuDNN was given
-                grad.contiguous(memory_format=suggest_memory_format(x)),
-                weight,
-                running_mean,
-                running_var,
-                save_mean,
-                save_invstd,
-                training,
-                eps,
-                mask,
-                reserve,
-            )
+                impl, x.contiguous(memory_format=layout), grad.contiguous(memory_format=layout),
+                *rest, reserve,
+            )  # fmt: skip
             gx, gw, gb = (g if need else None for g, need in zip((gx, gw, gb), mask))
         return gx, gw, gb, None, None, None, None, None, None
 

@@ -163,34 +163,21 @@ def _one(value: IntOrSeq, name: str) -> int:
     return values[0]
 
 
-def max_pool1d(
+def _max_pool1d_as_2d(
     input: torch.Tensor,
     kernel_size: IntOrSeq,
-    stride: IntOrSeq | None = None,
-    padding: IntOrSeq = 0,
-    dilation: IntOrSeq = 1,
-    ceil_mode: bool = False,
-    return_indices: bool = False,
-) -> Any:
-    """``F.max_pool1d``: keeps the in-window position of each max at 1-8 bits."""
-    if not needs_graph(input):
-        return F.max_pool1d(
-            input, kernel_size, stride, padding, dilation, ceil_mode, return_indices
-        )
+    stride: IntOrSeq | None,
+    padding: IntOrSeq,
+    dilation: IntOrSeq,
+    ceil_mode: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 1-d pool as a 2-d one over a height of 1 (the positions' code is the 2-d one's)."""
     _check_1d(input, "max_pool1d")
     k = _one(kernel_size, "kernel_size")
     s = _stride(stride, [k], 1)[0]
-    out, indices = _max_pool(
-        input.unsqueeze(-2),
-        2,
-        [1, k],
-        [1, s],
-        [0, _one(padding, "padding")],
-        [1, _one(dilation, "dilation")],
-        ceil_mode,
-    )
-    out, indices = out.squeeze(-2), indices.squeeze(-2)
-    return (out, indices) if return_indices else out
+    pad, dil = [0, _one(padding, "padding")], [1, _one(dilation, "dilation")]
+    out, indices = _max_pool(input.unsqueeze(-2), 2, [1, k], [1, s], pad, dil, ceil_mode)
+    return out.squeeze(-2), indices.squeeze(-2)
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -204,7 +191,7 @@ def _named(f: _F, name: str, what: str) -> _F:
 
 
 def _max_pool_nd(nd: int, stock: Callable[..., Any]) -> Callable[..., Any]:
-    """``F.max_pool{nd}d`` (2 or 3) keeping the in-window position of each max."""
+    """``F.max_pool{nd}d`` (1, 2 or 3) keeping the in-window position of each max."""
 
     def max_pool(
         input: torch.Tensor,
@@ -217,7 +204,12 @@ def _max_pool_nd(nd: int, stock: Callable[..., Any]) -> Callable[..., Any]:
     ) -> Any:
         if not needs_graph(input):
             return stock(input, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
-        out, indices = _max_pool(input, nd, kernel_size, stride, padding, dilation, ceil_mode)
+        if nd == 1:
+            out, indices = _max_pool1d_as_2d(
+                input, kernel_size, stride, padding, dilation, ceil_mode
+            )
+        else:
+            out, indices = _max_pool(input, nd, kernel_size, stride, padding, dilation, ceil_mode)
         return (out, indices) if return_indices else out
 
     return _named(
@@ -225,6 +217,7 @@ def _max_pool_nd(nd: int, stock: Callable[..., Any]) -> Callable[..., Any]:
     )
 
 
+max_pool1d = _max_pool_nd(1, F.max_pool1d)
 max_pool2d = _max_pool_nd(2, F.max_pool2d)
 max_pool3d = _max_pool_nd(3, F.max_pool3d)
 
