@@ -2,8 +2,9 @@
 steady training step under ``torch.cuda.set_sync_debug_mode("warn")``, where any call that
 waits for the device (``.item()``, ``.tolist()``, a boolean test of a device tensor, a copy
 from pageable host memory) warns; each warning's Python stack is kept, and any sync outside
-the few the library makes by design (:data:`KNOWN_SYNCS`, each with its reason) fails the
-test. A strategy added tomorrow is checked the day it is registered."""
+the few the library makes by design (each with its reason) fails the
+test (``torchstash.testing.hostreads.KNOWN_HOST_READS``, shared with the CPU's gauge,
+``tests/test_host_reads.py``). A strategy added tomorrow is checked the day it is registered."""
 
 from __future__ import annotations
 
@@ -16,20 +17,12 @@ import pytest
 import torch
 
 import torchstash as ts
+from torchstash.testing.hostreads import unexplained
 from torchstash.testing.models import zoo
 
 #: every strategy, and stock first (a model whose own step waits would fail them all)
 STRATEGIES = [None, *ts.REGISTRY.names()]
 MODELS = {e.name: e for e in zoo("tiny")}
-#: The host reads the library makes on purpose, by the function that makes them. Each costs
-#: the step one wait for the device; removing them is owed (docs/gpu.md).
-KNOWN_SYNCS = {
-    # quant's max-pool positions: decoded and compared with the indices (one read per pool),
-    # which makes a geometry recalled on a replayed step safe
-    "pack_pool_positions": "quant's pool positions are checked to give the indices back",
-    # quant.int1: a group holding NaN or Inf is coded at 2 bits (read once per 1-bit tensor)
-    "compress_as": "quant.int1 reads whether a group holds NaN or Inf",
-}
 
 
 @contextlib.contextmanager
@@ -51,19 +44,6 @@ def host_waits() -> Iterator[list[list[str]]]:
             yield found
         finally:
             torch.cuda.set_sync_debug_mode("default")
-
-
-def unexplained(stacks: list[list[str]]) -> list[str]:
-    """The stacks that pass through no :data:`KNOWN_SYNCS` function, as 'a > b > c'."""
-    return [" > ".join(s[-8:]) for s in stacks if not KNOWN_SYNCS.keys() & set(s)]
-
-
-def test_a_sync_outside_the_known_ones_is_reported() -> None:
-    """The filter itself: a stack through a known function passes, any other is named."""
-    known = ["step", "pack", "compress_as", "any"]
-    other = ["step", "pack", "encode_positions", "tensor"]
-    assert unexplained([known]) == []
-    assert unexplained([known, other]) == ["step > pack > encode_positions > tensor"]
 
 
 @pytest.mark.cuda

@@ -1,0 +1,72 @@
+"""Where a step reads a tensor's value on the host: a GPU-free gauge of host synchronisation.
+
+On CUDA, ``.item()``, ``bool(t)``, ``.tolist()``, ``torch.equal`` and ``nonzero`` make the
+host wait for the device (``tests/test_cuda_sync.py`` catches them with torch's sync debug
+mode, on a GPU). On the CPU they cost nothing, so nothing would notice one added to a pack or
+an unpack until a GPU run. :func:`host_reads` records every such call's Python stack on any
+device, so a CPU test can hold the library to the same rule; :func:`unexplained` keeps the
+stacks through none of the functions that read on purpose (:data:`KNOWN_HOST_READS`).
+A copy from host values to the device (``torch.tensor(list, device="cuda")``) is not a read
+and is seen only on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["KNOWN_HOST_READS", "host_reads", "unexplained"]
+
+#: The functions that read a device value on purpose, and why: each costs a CUDA step one
+#: wait for the device (their removal is owed: docs/gpu.md).
+KNOWN_HOST_READS = {
+    "pack_pool_positions": "quant's max-pool positions are checked to give the indices back",
+    "compress_as": "quant.int1 reads whether a group holds NaN or Inf (then codes it at 2 bits)",
+}
+
+#: (owner, attribute) of each host read that is patched
+_READS: tuple[tuple[Any, str], ...] = (
+    (torch.Tensor, "item"),
+    (torch.Tensor, "tolist"),
+    (torch.Tensor, "__bool__"),
+    (torch.Tensor, "__int__"),
+    (torch.Tensor, "__float__"),
+    (torch.Tensor, "__index__"),
+    (torch.Tensor, "nonzero"),
+    (torch, "equal"),
+    (torch, "nonzero"),
+)
+
+
+@contextlib.contextmanager
+def host_reads() -> Iterator[list[list[str]]]:
+    """Inside, each host read appends its caller's stack (function names, innermost last).
+    Patches torch process-wide (one thread at a time), and puts everything back on exit."""
+    found: list[list[str]] = []
+    saved = [(owner, name, getattr(owner, name)) for owner, name in _READS]
+
+    def recording(original: Any) -> Any:
+        def read(*args: Any, **kwargs: Any) -> Any:
+            found.append([f.name for f in traceback.extract_stack()[:-1]])
+            return original(*args, **kwargs)
+
+        return read
+
+    try:
+        for owner, name, original in saved:
+            setattr(owner, name, recording(original))
+        yield found
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def unexplained(stacks: Iterable[list[str]], known: Iterable[str] = KNOWN_HOST_READS) -> list[str]:
+    """The stacks that pass through none of ``known``'s functions, as 'a > b > c' (the last
+    eight frames)."""
+    allowed = set(known)
+    return [" > ".join(s[-8:]) for s in stacks if not allowed & set(s)]
