@@ -576,3 +576,19 @@ def test_attention_map_recomputed_bit_exact_under_cudas_autocast(style: str) -> 
     assert rows["2"] == 1 and rows["3.qkv"] == 1 and rows["3"] >= 1, rows
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
+
+
+def test_broadcast_is_torchs() -> None:
+    """derive's shape broadcast (in the matmul operand check, each step) answers as
+    ``torch.broadcast_shapes`` does, None where torch raises; empty and zero-size dims too."""
+    import itertools
+
+    from torchstash.derive import _broadcast
+
+    shapes = [s for n in range(4) for s in itertools.product((0, 1, 2, 3), repeat=n)]
+    for a, b in itertools.product(shapes, repeat=2):
+        try:
+            want: tuple[int, ...] | None = tuple(torch.broadcast_shapes(a, b))
+        except RuntimeError:
+            want = None
+        assert _broadcast(a, b) == want, (a, b)
