@@ -10,7 +10,6 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -92,12 +91,7 @@ class Handle:
     def __enter__(self) -> Handle:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.remove()
 
     def __repr__(self) -> str:
@@ -492,12 +486,7 @@ class stash:
         if self._in_scope():
             self.engine.exit_module(module)
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.module is not None and self._exit is not None:
             self._leave(self.module, (), None)
         for h in self._hooks:
@@ -506,7 +495,7 @@ class stash:
         ctx, self._exit = self._exit, None
         token, self._token = self._token, None
         try:
-            ctx.__exit__(exc_type, exc, tb)
+            ctx.__exit__(*exc)
         finally:
             if token is not None:
                 try:

@@ -10,3 +10,8 @@ def check_flag(value: object, name: str, strategy: str) -> bool:
     if not isinstance(value, bool):
         raise OptionError(f"{strategy}: option {name}={value!r} must be True or False")
     return value
+
+
+def check_flags(flags: dict[str, object], strategy: str) -> dict[str, bool]:
+    """Every switch of ``flags`` checked (:func:`check_flag`), by name."""
+    return {name: check_flag(value, name, strategy) for name, value in flags.items()}

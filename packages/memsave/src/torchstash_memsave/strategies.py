@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from torchstash.declare import StrategyTable
 
-from ._options import check_flag
+from ._options import check_flags
 from .functional.act import RELU_MASK, RELU_OP
 from .rewriter import MemSaveRewriter
 
@@ -32,19 +32,7 @@ def memsave(
 
     The ``memsave`` strategy; each flag turns one layer family off.
     """
-    flags = {
-        "conv": conv,
-        "batchnorm": batchnorm,
-        "layernorm": layernorm,
-        "groupnorm": groupnorm,
-        "rmsnorm": rmsnorm,
-        "relu": relu,
-        "dropout": dropout,
-        "maxpool": maxpool,
-        "avgpool": avgpool,
-    }
-    for flag, value in flags.items():
-        check_flag(value, flag, "memsave")
+    flags = check_flags(dict(locals()), "memsave")  # the parameters, by name: all flags
     return MemSaveRewriter(frozenset(f for f, on in flags.items() if on))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from torchstash.errors import OptionError
 
 BITS = (1, 2, 4, 8)
@@ -38,24 +40,26 @@ def check_deriv_bits(value: object, strategy: str, default: int | None) -> int |
     None keeps their inputs as values."""
     if value == "auto":
         return default
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value not in DERIV_BITS:
-        raise OptionError(
-            f"{strategy}: option deriv_bits={value!r} must be 2, 4, 8, 'auto' or None "
-            f"(None stores GELU/SiLU inputs as values)"
-        )
-    return value
+    return _width(value, strategy, "deriv_bits", DERIV_BITS, "GELU/SiLU inputs as values", True)
 
 
 def check_attn_bits(value: object, strategy: str, option: str = "attn_bits") -> int | None:
     """``attn_bits``: width of attention's values (``v``, a map after a dropout that drops);
     None keeps them at the strategy's own width."""
+    return _width(value, strategy, option, BITS, "them at the strategy's width", False)
+
+
+def _width(
+    value: object, strategy: str, option: str, allowed: Iterable[int], none: str, auto: bool
+) -> int | None:
+    """``value`` when it is one of ``allowed`` widths (or None); else an error that lists
+    them (with ``'auto'`` where it is taken) and says what None stores."""
+    widths = sorted(allowed)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value not in BITS:
+    if isinstance(value, bool) or not isinstance(value, int) or value not in widths:
+        listed = ", ".join([*map(str, widths), *(["'auto'"] if auto else [])])
         raise OptionError(
-            f"{strategy}: option {option}={value!r} must be 1, 2, 4, 8 or None "
-            f"(None stores them at the strategy's width)"
+            f"{strategy}: option {option}={value!r} must be {listed} or None (None stores {none})"
         )
     return value

@@ -18,7 +18,7 @@ from torch import nn
 
 from torchstash.errors import ApplyError, NothingToRewriteWarning
 
-from .._options import check_flag
+from .._options import check_flags
 
 #: (flag, the stock classes it covers) where a flag picks classes out of a family
 CONV_FLAGS = (
@@ -54,6 +54,7 @@ def convert_to_memory_saving(
     ``conv3d`` the convs and transposed convs of that dimension). ``linear`` is accepted and
     changes nothing: stock PyTorch already keeps only what a linear layer's gradients need.
     ``verbose`` prints each replaced layer as memsave_torch did (``replaced <name>``)."""
+    flags = {name: value for name, value in locals().items() if name != "model"}  # the flags
     from torchstash import apply, handle_of
 
     applied = next((name for name, m in model.named_modules() if handle_of(m) is not None), None)
@@ -64,21 +65,7 @@ def convert_to_memory_saving(
             "call torchstash.remove() on it first, or apply 'memsave' (or 'memsave>quant.int8') "
             "with torchstash instead"
         )
-    flags = {
-        "linear": linear,
-        "conv2d": conv2d,
-        "conv1d": conv1d,
-        "conv3d": conv3d,
-        "batchnorm2d": batchnorm2d,
-        "relu": relu,
-        "maxpool2d": maxpool2d,
-        "layernorm": layernorm,
-        "dropout": dropout,
-        "verbose": verbose,
-        "clone_params": clone_params,
-    }
-    for flag, value in flags.items():
-        check_flag(value, flag, "convert_to_memory_saving")
+    check_flags(flags, "convert_to_memory_saving")
     converted = copy.deepcopy(model) if clone_params else shared_copy(model)
     options: dict[str, Any] = {
         "conv": conv1d or conv2d or conv3d,
