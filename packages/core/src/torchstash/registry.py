@@ -19,7 +19,7 @@ import inspect
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Required, TypedDict, TypeVar, Unpack
 
 from . import env
 from . import options as _options
@@ -63,12 +63,10 @@ class Strategy:
 
     def describe(self) -> dict[str, Any]:
         """The row ``torchstash.strategies()`` and ``torchstash list --json`` show."""
+        shown = ("name", "distribution", "version", "lossless", "summary")
+        row = {key: getattr(self, key) for key in shown}
         return {
-            "name": self.name,
-            "distribution": self.distribution,
-            "version": self.version,
-            "lossless": self.lossless,
-            "summary": self.summary,
+            **row,
             "options": self.options(),
             "preset": self.preset,
             "candidate": self.candidate,
@@ -114,12 +112,8 @@ class OpDefault:
     version: str
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "op": self.func,
-            "distribution": self.distribution,
-            "version": self.version,
-            "summary": self.summary,
-        }
+        return {"op": self.func, "distribution": self.distribution, "version": self.version,
+                "summary": self.summary}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -554,17 +548,17 @@ def resolved(registry: Registry | None) -> Registry:
     return REGISTRY if registry is None else registry
 
 
+class Described(TypedDict, total=False):
+    """What :meth:`Registry.register` takes of a strategy besides its name and factory."""
+
+    lossless: Required[bool]
+    summary: Required[str]
+    preset: bool
+    candidate: bool
+
+
 def register_strategy(
-    name: str,
-    factory: Factory,
-    *,
-    lossless: bool,
-    summary: str,
-    preset: bool = False,
-    candidate: bool = False,
-    registry: Registry | None = None,
+    name: str, factory: Factory, *, registry: Registry | None = None, **how: Unpack[Described]
 ) -> Strategy:
     """Register a strategy in-process (plug-ins reach the same code through their entry point)."""
-    return (registry or REGISTRY).register(
-        name, factory, lossless=lossless, summary=summary, preset=preset, candidate=candidate
-    )
+    return (registry or REGISTRY).register(name, factory, **how)

@@ -28,17 +28,12 @@ KNOWN_HOST_READS = {
     "compress_as": "quant.int1 reads whether a group holds NaN or Inf (then codes it at 2 bits)",
 }
 
-#: (owner, attribute) of each host read that is patched
+#: Each host read that is patched: the tensor methods, then torch's functions
+_TENSOR_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero")
+_TORCH_READS = ("equal", "nonzero")
 _READS: tuple[tuple[Any, str], ...] = (
-    (torch.Tensor, "item"),
-    (torch.Tensor, "tolist"),
-    (torch.Tensor, "__bool__"),
-    (torch.Tensor, "__int__"),
-    (torch.Tensor, "__float__"),
-    (torch.Tensor, "__index__"),
-    (torch.Tensor, "nonzero"),
-    (torch, "equal"),
-    (torch, "nonzero"),
+    *((torch.Tensor, name) for name in _TENSOR_READS),
+    *((torch, name) for name in _TORCH_READS),
 )
 
 
