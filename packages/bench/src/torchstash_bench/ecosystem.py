@@ -60,41 +60,35 @@ def library(name: str) -> Any:
 # -- the models --------------------------------------------------------------------------------
 
 
-def _gpt2() -> nn.Module:
-    tf = library("transformers")
-    cfg = tf.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, n_positions=SEQ, vocab_size=VOCAB, bos_token_id=0,
-        eos_token_id=0,
-    )  # fmt: skip
-    return tf.GPT2LMHeadModel(cfg)
+def _hf(config: str, model: str, **options: Any) -> Callable[[], nn.Module]:
+    """A Hugging Face model built from its config class (no weights downloaded)."""
+
+    def build() -> nn.Module:
+        tf = library("transformers")
+        built: nn.Module = getattr(tf, model)(getattr(tf, config)(**options))
+        return built
+
+    build.__name__ = f"hf_{model}"
+    return build
 
 
-def _bert() -> nn.Module:
-    tf = library("transformers")
-    cfg = tf.BertConfig(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=128, max_position_embeddings=SEQ,
-    )  # fmt: skip
-    return tf.BertForMaskedLM(cfg)
-
-
-def _hf_vit() -> nn.Module:
-    tf = library("transformers")
-    cfg = tf.ViTConfig(
-        image_size=IMAGE, patch_size=8, hidden_size=64, num_hidden_layers=2,
-        num_attention_heads=4, intermediate_size=128, num_labels=CLASSES,
-    )  # fmt: skip
-    return tf.ViTForImageClassification(cfg)
-
-
-def _llama() -> nn.Module:
-    tf = library("transformers")
-    cfg = tf.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    )  # fmt: skip
-    return tf.LlamaForCausalLM(cfg)
+_gpt2 = _hf(
+    "GPT2Config", "GPT2LMHeadModel", n_layer=2, n_embd=64, n_head=4, n_positions=SEQ,
+    vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
+)  # fmt: skip
+_bert = _hf(
+    "BertConfig", "BertForMaskedLM", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+    num_attention_heads=4, intermediate_size=128, max_position_embeddings=SEQ,
+)  # fmt: skip
+_hf_vit = _hf(
+    "ViTConfig", "ViTForImageClassification", image_size=IMAGE, patch_size=8, hidden_size=64,
+    num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, num_labels=CLASSES,
+)  # fmt: skip
+_llama = _hf(
+    "LlamaConfig", "LlamaForCausalLM", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+)  # fmt: skip
 
 
 def _timm(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
@@ -151,6 +145,11 @@ class Spec:
     memsave: tuple[str, str]
 
 
+def _vision(build: Callable[[], nn.Module], library: str, memsave: tuple[str, str]) -> Spec:
+    """An image classifier: random images, cross-entropy on its logits."""
+    return Spec(build, _images, _logits_loss, library, memsave)
+
+
 MODELS: dict[str, Spec] = {
     "hf-gpt2": Spec(
         _gpt2, _tokens, _hf_loss, "transformers",
@@ -168,32 +167,32 @@ MODELS: dict[str, Spec] = {
         _llama, _tokens, _hf_loss, "transformers",
         ("error", "LlamaRMSNorm is its own class and SiLU is no ReLU: nothing to rewrite"),
     ),
-    "timm-deit": Spec(
-        _timm("deit_tiny_patch16_224", img_size=IMAGE, patch_size=8, depth=2), _images,
-        _logits_loss, "timm", ("equal", "dropout 0; LayerNorm and convs train"),
+    "timm-deit": _vision(
+        _timm("deit_tiny_patch16_224", img_size=IMAGE, patch_size=8, depth=2), "timm",
+        ("equal", "dropout 0; LayerNorm and convs train"),
     ),
-    "timm-resnet10t": Spec(
-        _timm("resnet10t"), _images, _logits_loss, "timm",
+    "timm-resnet10t": _vision(
+        _timm("resnet10t"), "timm",
         ("reduces", "ReLU masks and max-pool codes"),
     ),
-    "timm-convnext_atto": Spec(
-        _timm("convnext_atto"), _images, _logits_loss, "timm",
+    "timm-convnext_atto": _vision(
+        _timm("convnext_atto"), "timm",
         ("equal", "LayerNorm2d, GELU and depthwise convs that train: nothing stock keeps extra"),
     ),
-    "timm-efficientnet_b0": Spec(
-        _timm("efficientnet_b0"), _images, _logits_loss, "timm",
+    "timm-efficientnet_b0": _vision(
+        _timm("efficientnet_b0"), "timm",
         ("equal", "BatchNorm and convs that train, SiLU: nothing stock keeps extra"),
     ),
-    "torchvision-resnet18": Spec(
-        _torchvision("resnet18"), _images, _logits_loss, "torchvision",
+    "torchvision-resnet18": _vision(
+        _torchvision("resnet18"), "torchvision",
         ("reduces", "ReLU masks and max-pool codes"),
     ),
-    "torchvision-mobilenet_v3_small": Spec(
-        _torchvision("mobilenet_v3_small"), _images, _logits_loss, "torchvision",
+    "torchvision-mobilenet_v3_small": _vision(
+        _torchvision("mobilenet_v3_small"), "torchvision",
         ("reduces", "the ReLUs of its blocks and of its squeeze-excitation keep 1-bit masks"),
     ),
-    "torchvision-vit_b_16": Spec(
-        _torchvision("vit_b_16", image_size=IMAGE), _images, _logits_loss, "torchvision",
+    "torchvision-vit_b_16": _vision(
+        _torchvision("vit_b_16", image_size=IMAGE), "torchvision",
         ("equal", "dropout 0, LayerNorm and the patch conv train: stock keeps only what is needed"),
     ),
 }  # fmt: skip
