@@ -214,3 +214,9 @@ def write_rows(path: str | None, rows: Any) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(rows, f, indent=2)
+
+
+def byte_counts(report: Any, prefix: str = "") -> dict[str, int]:
+    """A report's stock and stored bytes as a row's ``<prefix>raw_bytes`` and
+    ``<prefix>stored_bytes`` (the figure tools' fp32 and bf16 columns)."""
+    return {f"{prefix}raw_bytes": report.raw_bytes, f"{prefix}stored_bytes": report.stored_bytes}

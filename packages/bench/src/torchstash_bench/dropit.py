@@ -38,7 +38,7 @@ from torchstash.policy import parse_spec
 from torchstash.testing.models import ZooEntry, zoo
 from torchstash_dropit import FILLS, SCOPES
 
-from .common import key, megabytes, rows_table, write_rows, zoo_arguments
+from .common import byte_counts, key, megabytes, rows_table, write_rows, zoo_arguments
 from .demo import build_model, lm_loss
 from .demo_task import DemoConfig, load_corpus, train_starts, windows
 
@@ -245,16 +245,9 @@ def _zoo_row(entry: ZooEntry, spec: str) -> dict[str, Any]:
     fp32 = ts.measure(model, step, name, warmup=1, repeat=1, **options)
     with torch.autocast("cpu", torch.bfloat16):
         bf16 = ts.measure(model, step, name, warmup=1, repeat=1, **options)
-    return {
-        "model": entry.name,
-        "strategy": spec,
-        "raw_bytes": fp32.raw_bytes,
-        "stored_bytes": fp32.stored_bytes,
-        "ratio_fp32": fp32.stored_bytes / fp32.raw_bytes,
-        "bf16_raw_bytes": bf16.raw_bytes,
-        "bf16_stored_bytes": bf16.stored_bytes,
-        "ratio_bf16": bf16.stored_bytes / bf16.raw_bytes,
-    }
+    return {"model": entry.name, "strategy": spec, **byte_counts(fp32), **byte_counts(bf16, "bf16_"),
+            "ratio_fp32": fp32.stored_bytes / fp32.raw_bytes,
+            "ratio_bf16": bf16.stored_bytes / bf16.raw_bytes}  # fmt: skip
 
 
 def zoo_table(rows: list[dict[str, Any]], scale: str) -> Table:

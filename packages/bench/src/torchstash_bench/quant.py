@@ -22,7 +22,7 @@ from torchstash.errors import PolicyError
 from torchstash.policy import parse_spec
 from torchstash.testing.models import ZooEntry, zoo
 
-from .common import key, rows_table, write_rows, zoo_arguments
+from .common import byte_counts, key, rows_table, write_rows, zoo_arguments
 
 STRATEGIES = (
     "quant.int8",
@@ -66,10 +66,9 @@ def evaluate_one(entry: ZooEntry, strategy: str, batch: int | None = None) -> di
     return {
         "model": entry.name,
         "strategy": strategy,
-        "raw_bytes": report.raw_bytes,
-        "stored_bytes": report.stored_bytes,
-        "ratio_fp32": report.raw_bytes / report.stored_bytes,
+        **byte_counts(report),
         "bf16_raw_bytes": bf16.raw_bytes,
+        "ratio_fp32": report.raw_bytes / report.stored_bytes,
         "ratio_bf16": bf16.raw_bytes / bf16.stored_bytes,
         "grad_cosine": cosine,
         "grad_cosine_bf16": cosine_bf16,
