@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,11 +156,16 @@ class FakeRewriter:
         return Doubler(module) if isinstance(module, nn.ReLU) else None
 
 
+def registered(factory: Any) -> Iterator[str]:
+    """A fixture's body: ``factory`` registered under its ``name`` for the test."""
+    ts.REGISTRY.register(factory.name, factory, lossless=True, summary="")
+    yield factory.name
+    ts.REGISTRY.unregister(factory.name)
+
+
 @pytest.fixture
-def rewrite_strategy() -> Any:
-    ts.REGISTRY.register("test.rewrite", FakeRewriter, lossless=True, summary="")
-    yield "test.rewrite"
-    ts.REGISTRY.unregister("test.rewrite")
+def rewrite_strategy() -> Iterator[str]:
+    yield from registered(FakeRewriter)
 
 
 def test_rewrites_swap_modules_and_remove_puts_them_back(rewrite_strategy: str) -> None:
@@ -201,10 +207,8 @@ class InPlaceRewriter:
 
 
 @pytest.fixture
-def swap_strategy() -> Any:
-    ts.REGISTRY.register("test.swap", InPlaceRewriter, lossless=True, summary="")
-    yield "test.swap"
-    ts.REGISTRY.unregister("test.swap")
+def swap_strategy() -> Iterator[str]:
+    yield from registered(InPlaceRewriter)
 
 
 def test_in_place_rewrites_keep_state_and_undo(swap_strategy: str) -> None:

@@ -33,9 +33,8 @@ from torchstash.kernels.channelquant_reference import (
 from torchstash.testing.bits import INT_VIEW, assert_bits_equal
 from torchstash.testing.native import build_host_program, run_host_program
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-IMPLS: tuple[Impl, ...] = ("kernel", "ref")
-INF, NAN = float("inf"), float("nan")
+from ._helpers import DTYPES, IMPLS, INF, NAN, assert_bad_impl_refused, spy_on
+
 F32_MAX = torch.finfo(torch.float32).max
 
 # (outer, channels, inner): per head (long runs), per channel (inner = 1), small inner
@@ -350,9 +349,7 @@ def test_bad_arguments_raise_clear_errors(kernels_on: None, impl: Impl) -> None:
 
 
 def test_invalid_impl() -> None:
-    bad: Any = "fast"
-    with pytest.raises(ValueError, match="impl='fast' is not valid"):
-        channel_minmax(torch.ones(3), 1, 3, impl=bad)
+    assert_bad_impl_refused(channel_minmax, torch.ones(3), 1, 3)
 
 
 def test_ops_validate_direct_calls(kernels_on: None) -> None:
@@ -428,15 +425,8 @@ def test_torch_compile_traces_the_ops(built: None) -> None:
 def test_kernel_path_is_the_compiled_op(kernels_on: None, monkeypatch: pytest.MonkeyPatch) -> None:
     import torchstash.kernels.channelquant as cq_mod
 
-    calls: list[str] = []
-    for name in ("channel_minmax_ref", "channel_quantize_ref", "channel_dequantize_ref"):
-        real = getattr(cq_mod, name)
-
-        def spy(*args: Any, _real: Any = real, _name: str = name) -> Any:
-            calls.append(_name)
-            return _real(*args)
-
-        monkeypatch.setattr(cq_mod, name, spy)
+    names = ("channel_minmax_ref", "channel_quantize_ref", "channel_dequantize_ref")
+    calls = spy_on(monkeypatch, cq_mod, names)
     x = torch.randn(4, 8)
     for impl in ("auto", "ref"):
         mn, mx = channel_minmax(x, 1, 8, impl=impl)  # type: ignore[arg-type]

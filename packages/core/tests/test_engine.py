@@ -16,6 +16,8 @@ from torchstash.optrack import OpTracker, on_result
 from torchstash.site import Site
 from torchstash.testing.models import zoo
 
+from ._helpers import LinearThen, stock_then_measured
+
 ZOO = {e.name: e for e in zoo("tiny")}
 
 
@@ -125,16 +127,8 @@ def test_sites_name_module_op_and_role(recorder: Recorder) -> None:
 
 
 def test_roles_of_a_plain_matmul(recorder: Recorder) -> None:
-    class MM(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = nn.Linear(32, 32)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.w(x)
-            return (h @ h.t().contiguous()).softmax(-1)
-
-    with ts.apply(MM(), "test.recorder", min_bytes=0) as h:
+    mm = LinearThen(32, lambda h: (h @ h.t().contiguous()).softmax(-1))
+    with ts.apply(mm, "test.recorder", min_bytes=0) as h:
         h.plan  # noqa: B018
         model = h._model()
         assert model is not None
@@ -402,20 +396,12 @@ def test_small_and_integer_tensors_stored_as_they_are(toy_strategies: list[str])
 
 
 def test_lossy_compressor_shrinks_and_trains(toy_strategies: list[str]) -> None:
-    model = ZOO["vit"].build()
     e = ZOO["vit"]
-    x, y = e.batch(4, torch.device("cpu"))
-    e.loss(model, x, y).backward()
-    ref = torch.cat([g.flatten() for g in grads_of(model)])
-    model.zero_grad()
-    report = ts.measure(
-        model,
-        lambda: (model.zero_grad(), e.loss(model, x, y).backward()),
-        "test.half",
-        repeat=1,
-        warmup=0,
-        min_bytes=0,
+    model = e.build()
+    stock, report = stock_then_measured(
+        e, model, e.batch(4, torch.device("cpu")), "test.half", min_bytes=0
     )
+    ref = torch.cat([g.flatten() for g in stock])
     got = torch.cat([g.flatten() for g in grads_of(model)])
     assert report.stored_bytes < 0.6 * report.raw_bytes
     assert torch.nn.functional.cosine_similarity(ref, got, dim=0) > 0.999

@@ -112,10 +112,18 @@ class Twins:
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-2)
         self.twin_opt = torch.optim.Adam(self.twin.parameters(), lr=1e-2)
 
-    def step(self, model: nn.Module, opt: torch.optim.Optimizer, n: int, seed: int) -> None:
+    def batch(
+        self, opt: torch.optim.Optimizer, n: int, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``step``'s batch, drawn with ``seed``, with ``opt``'s gradients zeroed: where a test
+        runs the rest of the step itself."""
         torch.manual_seed(seed)
         x, y = GPT.batch(n, CPU)
         opt.zero_grad(set_to_none=True)
+        return x, y
+
+    def step(self, model: nn.Module, opt: torch.optim.Optimizer, n: int, seed: int) -> None:
+        x, y = self.batch(opt, n, seed)
         GPT.loss(model, x, y).backward()
         opt.step()
 
@@ -132,6 +140,15 @@ class Twins:
         for k in mine:
             for name, value in mine[k].items():
                 assert torch.equal(value, theirs[k][name]), (k, name)
+
+
+def twins_under(faulty: str, **options: Any) -> tuple[Twins, ts.Handle, Faulty]:
+    """Twins, the model under ``faulty`` with ``options`` (its codec not armed yet), after a
+    normal step by both: the optimizer has state to keep."""
+    t = Twins()
+    handle = ts.apply(t.model, faulty, **options)
+    t.both(seed=1)
+    return t, handle, codec_of(handle)
 
 
 def assert_engine_idle(handle: ts.Handle) -> None:
@@ -161,10 +178,7 @@ def suggested_rule(message: str) -> dict[str, str]:
 
 
 def test_compress_error_in_forward(faulty: str) -> None:
-    t = Twins()
-    handle = ts.apply(t.model, faulty, where="blocks.1.mlp.*")
-    codec = codec_of(handle)
-    t.both(seed=1)  # a normal step first: the optimizer has state to keep
+    t, handle, codec = twins_under(faulty, where="blocks.1.mlp.*")
     t.assert_same()
     codec.armed = True
     with pytest.raises(CompressionError) as info:
@@ -209,15 +223,10 @@ def test_compress_error_in_forward(faulty: str) -> None:
 
 
 def test_decompress_error_in_backward(faulty: str) -> None:
-    t = Twins()
-    handle = ts.apply(t.model, faulty, fail_in="decompress", where="blocks.0.*")
-    codec = codec_of(handle)
-    t.both(seed=1)
+    t, handle, codec = twins_under(faulty, fail_in="decompress", where="blocks.0.*")
     codec.armed = True
     codec.payloads.clear()
-    torch.manual_seed(2)
-    x, y = GPT.batch(4, CPU)
-    t.opt.zero_grad(set_to_none=True)
+    x, y = t.batch(t.opt, 4, seed=2)
     loss = GPT.loss(t.model, x, y)
     assert codec.alive() > 0
     with pytest.raises(CompressionError) as info:
@@ -300,15 +309,10 @@ def test_a_fault_inside_a_stash_block(faulty: str) -> None:
 
 @pytest.mark.parametrize("fail_in", ["compress", "decompress"])
 def test_out_of_memory_keeps_its_type(faulty: str, fail_in: str) -> None:
-    t = Twins()
-    handle = ts.apply(t.model, faulty, fail_in=fail_in, error="oom")
-    codec = codec_of(handle)
-    t.both(seed=1)
+    t, handle, codec = twins_under(faulty, fail_in=fail_in, error="oom")
     codec.armed = True
     codec.payloads.clear()
-    torch.manual_seed(2)
-    x, y = GPT.batch(8, CPU)
-    t.opt.zero_grad(set_to_none=True)
+    x, y = t.batch(t.opt, 8, seed=2)
     caught: torch.OutOfMemoryError | None = None
     loss = None
     try:  # the usual batch-size back-off

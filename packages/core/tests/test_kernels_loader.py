@@ -160,13 +160,20 @@ print(json.dumps(info))
 """
 
 
-def test_build_failure_is_reported_with_its_cause(tmp_path: Path) -> None:
-    """A fresh process (this one may hold the real library already) builds broken sources."""
+def copy_of_the_sources(tmp_path: Path) -> tuple[Path, Path]:
+    """The kernel sources, and a copy of them under ``tmp_path`` to change; skips where there
+    are none."""
     root, _ = loader.find_csrc()
     if root is None:
         pytest.skip("no kernel sources")
-    broken = tmp_path / "csrc"
-    shutil.copytree(root, broken)
+    copy = tmp_path / "csrc"
+    shutil.copytree(root, copy)
+    return root, copy
+
+
+def test_build_failure_is_reported_with_its_cause(tmp_path: Path) -> None:
+    """A fresh process (this one may hold the real library already) builds broken sources."""
+    _, broken = copy_of_the_sources(tmp_path)
     (broken / "bindings" / "ops.cpp").write_text('#error "deliberately broken for a test"\n')
     environ = dict(os.environ)
     environ.update(
@@ -219,11 +226,7 @@ def test_status_after_a_build(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_digest_tracks_sources_and_variant(tmp_path: Path) -> None:
-    root, _ = loader.find_csrc()
-    if root is None:
-        pytest.skip("no kernel sources")
-    copy = tmp_path / "csrc"
-    shutil.copytree(root, copy)
+    root, copy = copy_of_the_sources(tmp_path)
     before = loader.digest(copy, "cpu")
     assert before == loader.digest(root, "cpu")  # content, not location
     assert before != loader.digest(copy, "cuda")

@@ -12,6 +12,8 @@ from torchstash.offload import CpuOffload
 from torchstash.site import Site
 from torchstash.testing.models import zoo
 
+from ._helpers import stock_then_measured
+
 GPT = next(e for e in zoo("tiny") if e.name == "gpt")
 
 
@@ -36,18 +38,9 @@ def test_gradients_exact_and_bytes_on_host() -> None:
     entry = next(e for e in zoo("small") if e.name == "gpt")
     torch.manual_seed(0)
     model = entry.build().cuda()
-    x, y = entry.batch(entry.batch_size, torch.device("cuda"))
-    entry.loss(model, x, y).backward()
-    ref = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    report = ts.measure(
-        model,
-        lambda: (model.zero_grad(), entry.loss(model, x, y).backward()),
-        "offload.cpu",
-        repeat=1,
-        warmup=0,
-    )
-    assert all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters()))
+    batch = entry.batch(entry.batch_size, torch.device("cuda"))
+    stock, report = stock_then_measured(entry, model, batch, "offload.cpu")
+    assert all(torch.equal(a, p.grad) for a, p in zip(stock, model.parameters(), strict=True))
     assert report.host_bytes > 0.9 * report.raw_bytes
 
 

@@ -57,13 +57,24 @@ def _factory() -> None:
     return None
 
 
+def registers(
+    name: str, factory: Callable[..., Any] = _factory, *, lossless: bool = True, summary: str = ""
+) -> Callable[[Any], None]:
+    """A ``register(registry)`` (a plug-in's, or the builtins') that registers ``name`` alone."""
+    return lambda r: r.register(name, factory, lossless=lossless, summary=summary)
+
+
+def registry_with_ok(monkeypatch: pytest.MonkeyPatch, failing: FakeDist) -> Registry:
+    """A registry that discovers ``failing`` and, beside it, ``ok`` from ``torchstash-ok 1``, a
+    plug-in that loads: what ``failing`` must not take down with it."""
+    plugin_module(monkeypatch, "fake_ok", registers("ok"))
+    ok = FakeDist("torchstash-ok", "1", {"ok": "fake_ok:register"})
+    return registry_with(monkeypatch, failing, ok)
+
+
 def test_lazy_loading_by_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
-    a = plugin_module(
-        monkeypatch, "fake_a", lambda r: r.register("a.x", _factory, lossless=True, summary="x")
-    )
-    b = plugin_module(
-        monkeypatch, "fake_b", lambda r: r.register("b", _factory, lossless=True, summary="b")
-    )
+    a = plugin_module(monkeypatch, "fake_a", registers("a.x", summary="x"))
+    b = plugin_module(monkeypatch, "fake_b", registers("b", summary="b"))
     reg = registry_with(
         monkeypatch,
         FakeDist("torchstash-a", "1.0", {"a": "fake_a:register"}),
@@ -78,15 +89,8 @@ def test_lazy_loading_by_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_same_name_from_two_distributions_names_both(monkeypatch: pytest.MonkeyPatch) -> None:
-    plugin_module(
-        monkeypatch,
-        "fake_c",
-        lambda r: r.register("offload.cpu", _factory, lossless=True, summary=""),
-    )
-    reg = Registry(
-        discover=lambda: [],
-        builtins=lambda r: r.register("offload.cpu", _factory, lossless=True, summary="core"),
-    )
+    plugin_module(monkeypatch, "fake_c", registers("offload.cpu"))
+    reg = Registry(discover=lambda: [], builtins=registers("offload.cpu", summary="core"))
     reg2 = registry_with(
         monkeypatch, FakeDist("torchstash-evil", "0.1", {"offload": "fake_c:register"})
     )
@@ -113,14 +117,8 @@ def test_broken_plugin_breaks_only_itself(monkeypatch: pytest.MonkeyPatch) -> No
         raise ImportError("libfoo.so: cannot open shared object file")
 
     plugin_module(monkeypatch, "fake_broken", boom)
-    plugin_module(
-        monkeypatch, "fake_ok", lambda r: r.register("ok", _factory, lossless=True, summary="")
-    )
-    reg = registry_with(
-        monkeypatch,
-        FakeDist("torchstash-broken", "0.3", {"broken": "fake_broken:register"}),
-        FakeDist("torchstash-ok", "1", {"ok": "fake_ok:register"}),
-    )
+    broken = FakeDist("torchstash-broken", "0.3", {"broken": "fake_broken:register"})
+    reg = registry_with_ok(monkeypatch, broken)
     with pytest.raises(PluginLoadError) as e:
         reg.get("broken.fast")
     assert "torchstash-broken 0.3" in str(e.value) and "torchstash doctor" in str(e.value)
@@ -141,11 +139,7 @@ def test_missing_module_is_a_load_error(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_plugin_must_stay_under_its_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
-    plugin_module(
-        monkeypatch,
-        "fake_e",
-        lambda r: r.register("quant.int8", _factory, lossless=False, summary=""),
-    )
+    plugin_module(monkeypatch, "fake_e", registers("quant.int8", lossless=False))
     reg = registry_with(monkeypatch, FakeDist("torchstash-e", "1", {"e": "fake_e:register"}))
     with pytest.raises(PluginLoadError) as e:
         reg.get("e.x")
@@ -166,9 +160,7 @@ def test_failed_plugin_rolls_back_partial_registration(monkeypatch: pytest.Monke
 
 @pytest.mark.parametrize("value", ["f", "torchstash-f", "*", "other, F"])
 def test_disable_plugins(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
-    calls = plugin_module(
-        monkeypatch, "fake_f", lambda r: r.register("f.x", _factory, lossless=True, summary="")
-    )
+    calls = plugin_module(monkeypatch, "fake_f", registers("f.x"))
     reg = registry_with(monkeypatch, FakeDist("torchstash-f", "1", {"f": "fake_f:register"}))
     monkeypatch.setenv("TORCHSTASH_DISABLE_PLUGINS", value)
     with pytest.raises(UnknownStrategyError, match="TORCHSTASH_DISABLE_PLUGINS"):
@@ -180,10 +172,7 @@ def test_disable_plugins(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
 def test_unknown_name_suggests_the_closest_and_installs_only_what_exists() -> None:
     """A typo gets the closest installed names; an install is proposed only for a plug-in of
     this project's that is missing, never ``pip install torchstash-<typo>``."""
-    reg = Registry(
-        discover=lambda: [],
-        builtins=lambda r: r.register("none", _factory, lossless=True, summary=""),
-    )
+    reg = Registry(discover=lambda: [], builtins=registers("none"))
     with pytest.raises(UnknownStrategyError) as e:
         reg.get("quant.int3")  # torchstash-quant is not installed here
     assert "pip install torchstash-quant" in str(e.value)
@@ -254,15 +243,11 @@ def _evil_none() -> str:
 
 
 def test_plugin_registering_none_keeps_the_builtin(monkeypatch: pytest.MonkeyPatch) -> None:
-    plugin_module(
-        monkeypatch,
-        "fake_none",
-        lambda r: r.register("none", _evil_none, lossless=True, summary="evil"),
-    )
+    plugin_module(monkeypatch, "fake_none", registers("none", _evil_none, summary="evil"))
     reg = registry_with(
         monkeypatch, FakeDist("torchstash-evil", "6.6", {"none": "fake_none:register"})
     )
-    reg._builtins = lambda r: r.register("none", _factory, lossless=True, summary="core")
+    reg._builtins = registers("none", summary="core")
     for _ in range(2):  # every time, not only the first: never the plug-in's, never silently
         with pytest.raises(DuplicateStrategyError, match=r"(?s)'none'.*torchstash 0.1.0.*evil 6.6"):
             reg.get("none")
@@ -301,14 +286,7 @@ def test_plugin_raising_anything_is_isolated_and_rolled_back(
         raise error
 
     plugin_module(monkeypatch, "fake_half", half)
-    plugin_module(
-        monkeypatch, "fake_ok2", lambda r: r.register("ok", _factory, lossless=True, summary="")
-    )
-    reg = registry_with(
-        monkeypatch,
-        FakeDist("torchstash-h", "1", {"h": "fake_half:register"}),
-        FakeDist("torchstash-ok", "1", {"ok": "fake_ok2:register"}),
-    )
+    reg = registry_with_ok(monkeypatch, FakeDist("torchstash-h", "1", {"h": "fake_half:register"}))
     with pytest.raises(PluginLoadError, match="torchstash-h 1") as e:
         reg.get("h.one")
     assert e.value.__cause__ is error
@@ -342,11 +320,7 @@ def test_failed_plugin_keeps_a_plugin_it_loaded(monkeypatch: pytest.MonkeyPatch)
         raise RuntimeError("outer breaks after loading inner")
 
     plugin_module(monkeypatch, "fake_outer", outer)
-    plugin_module(
-        monkeypatch,
-        "fake_inner",
-        lambda r: r.register("inner.x", _factory, lossless=True, summary=""),
-    )
+    plugin_module(monkeypatch, "fake_inner", registers("inner.x"))
     reg = registry_with(
         monkeypatch,
         FakeDist("torchstash-outer", "1", {"outer": "fake_outer:register"}),
@@ -361,7 +335,7 @@ def test_failed_plugin_keeps_a_plugin_it_loaded(monkeypatch: pytest.MonkeyPatch)
 def test_plugin_may_not_unregister_others(monkeypatch: pytest.MonkeyPatch) -> None:
     plugin_module(monkeypatch, "fake_u", lambda r: r.unregister("none"))
     reg = registry_with(monkeypatch, FakeDist("torchstash-u", "1", {"u": "fake_u:register"}))
-    reg._builtins = lambda r: r.register("none", _factory, lossless=True, summary="core")
+    reg._builtins = registers("none", summary="core")
     with pytest.raises(PluginLoadError) as e:
         reg.get("u.x")
     assert "may only unregister names under its own prefix" in str(e.value.__cause__)
@@ -369,10 +343,7 @@ def test_plugin_may_not_unregister_others(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_in_process_register_of_a_core_name_fails_at_once() -> None:
-    reg = Registry(
-        discover=lambda: [],
-        builtins=lambda r: r.register("none", _factory, lossless=True, summary="core"),
-    )
+    reg = Registry(discover=lambda: [], builtins=registers("none", summary="core"))
     with pytest.raises(DuplicateStrategyError, match=r"(?s)torchstash 0.1.0.*<in-process>"):
         reg.register("none", _evil_none, lossless=True, summary="mine")
     assert reg.get("none").distribution == "torchstash"
@@ -384,11 +355,7 @@ def test_factory_returning_none_names_strategy_and_distribution(
     def forgot_return() -> None:
         pass
 
-    plugin_module(
-        monkeypatch,
-        "fake_n",
-        lambda r: r.register("n.codec", forgot_return, lossless=True, summary=""),
-    )
+    plugin_module(monkeypatch, "fake_n", registers("n.codec", forgot_return))
     reg = registry_with(monkeypatch, FakeDist("torchstash-n", "2.1", {"n": "fake_n:register"}))
     with pytest.raises(RegistryError, match=r"'n.codec' from torchstash-n 2.1: .*returned None"):
         reg.get("n.codec").create()

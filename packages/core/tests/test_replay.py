@@ -3,6 +3,7 @@ that every guard miss records again and stays exact."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from collections.abc import Callable, Iterator
@@ -16,6 +17,8 @@ import torchstash
 from torchstash.engine.replay import MAX_MISSES, MISSED_REASON
 from torchstash.errors import CompressionError
 from torchstash.testing.replay import Tracked, tally_rows
+
+from ._helpers import LinearThen
 
 
 class Skipper(nn.Module):
@@ -94,16 +97,7 @@ def test_a_replayed_step_counts_what_a_recorded_one_counts(batch: int) -> None:
 
 
 def test_a_save_shared_by_two_ops_is_shared_when_replayed() -> None:
-    class Twice(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(64, 64)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.fc(x)
-            return (h * h).sum(-1) + torch.sin(h).sum(-1)
-
-    stock, model = pair(Twice)
+    stock, model = pair(lambda: LinearThen(64, lambda h: (h * h).sum(-1) + torch.sin(h).sum(-1)))
     x = torch.randn(16, 64)
     with torchstash.apply(model, "none") as handle:
         seen = []
@@ -171,6 +165,17 @@ def test_train_and_eval_switches_and_no_grad() -> None:
                 torch.testing.assert_close(model(x), want, rtol=0, atol=0)
 
 
+@contextlib.contextmanager
+def replaying(model: nn.Module, x: torch.Tensor) -> Iterator[torchstash.Handle]:
+    """``model`` under ``none`` after two recorded steps and one replayed on ``x``: its next
+    step on ``x`` replays."""
+    with torchstash.apply(model, "none") as handle:
+        for _ in range(3):
+            grads(model, x)
+        assert handle.engine.replayer.replayed == 1
+        yield handle
+
+
 def test_an_in_place_change_after_a_replayed_save_is_an_error() -> None:
     class Changes(nn.Module):
         def __init__(self) -> None:
@@ -188,10 +193,7 @@ def test_an_in_place_change_after_a_replayed_save_is_an_error() -> None:
 
     _, model = pair(Changes)
     x = torch.randn(4, 16)
-    with torchstash.apply(model, "none") as handle:
-        for _ in range(3):
-            grads(model, x)
-        assert handle.engine.replayer.replayed == 1
+    with replaying(model, x):
         model.change = True
         with pytest.raises(RuntimeError, match="modified"):
             grads(model, x)
@@ -200,10 +202,7 @@ def test_an_in_place_change_after_a_replayed_save_is_an_error() -> None:
 def test_nested_stash_inside_a_replaying_model() -> None:
     stock, model = pair(mlp)
     x = torch.randn(8, 16)
-    with torchstash.apply(model, "none") as handle:
-        for _ in range(3):
-            grads(model, x)
-        assert handle.engine.replayer.replayed == 1
+    with replaying(model, x):
         for _ in range(3):
             with torchstash.stash("none") as block:
                 a = grads(stock, x)
@@ -250,16 +249,9 @@ def test_apply_after_remove_records_afresh(tracked: Tracked) -> None:
         same_as_stock(stock, model, x)
 
 
-class SelfAttention(nn.Module):
+def self_attention() -> nn.Module:
     """Written-out attention: which operand of which matmul a tensor is reads the call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.proj(x)
-        return (h @ h.transpose(-1, -2)).softmax(-1) @ h
+    return LinearThen(16, lambda h: (h @ h.transpose(-1, -2)).softmax(-1) @ h)
 
 
 def test_a_code_that_reads_the_op_call_records_every_step(tracked: Tracked) -> None:
@@ -267,7 +259,7 @@ def test_a_code_that_reads_the_op_call_records_every_step(tracked: Tracked) -> N
     left to the full path (a region, :mod:`torchstash.engine.regions`); written in the
     model's own forward, that call is the whole forward, which is then not replayed."""
     pytest.importorskip("torchstash_quant")
-    _, model = pair(SelfAttention)
+    _, model = pair(self_attention)
     x = torch.randn(4, 64, 16)
     with torchstash.apply(model, "quant.int8") as handle:
         counts = [tracked.during(lambda: grads(model, x)) for _ in range(4)]
@@ -282,9 +274,7 @@ def test_a_released_graph_after_a_replayed_forward() -> None:
     replayed entries: they belong to their forward's graph."""
     _, model = pair(mlp)
     x = torch.randn(8, 16)
-    with torchstash.apply(model, "none") as handle:
-        for _ in range(3):
-            grads(model, x)
+    with replaying(model, x) as handle:
         loss = model(x).sum()
         graph = handle.engine._tls.graph
         assert graph is not None and len(graph.entries) > 0

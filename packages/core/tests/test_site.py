@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 import torchstash as ts
-from torchstash.compressor import BaseCompressor
 from torchstash.packed import Packed
 from torchstash.site import NO_CALL, OpCall, Site
+from torchstash.testing.toys import CloneCompressor
 
 
 def test_opcall_reads_arguments_by_keyword_or_position() -> None:
@@ -44,11 +44,10 @@ def test_a_site_built_by_hand_has_no_call_and_drops_result_callbacks() -> None:
     site.opcall.on_result(lambda _: pytest.fail("no call to deliver"))  # dropped
 
 
-class _Recorder(BaseCompressor):
-    """Copies; records the sites it is given and each call's result."""
+class _Recorder(CloneCompressor):
+    """Copies (as ``test.clone``); records the sites it is given and each call's result."""
 
     name = "recorder"
-    lossless = True
 
     def __init__(self) -> None:
         self.sites: list[Site] = []
@@ -57,12 +56,7 @@ class _Recorder(BaseCompressor):
     def compress(self, x: torch.Tensor, site: Site) -> Packed:
         self.sites.append(site)
         site.opcall.on_result(self.results.append)
-        return Packed.like(x, self.name, data=x.clone())
-
-    def decompress(self, packed: Packed) -> torch.Tensor:
-        data = packed.tensors["data"]
-        assert isinstance(data, torch.Tensor)
-        return data
+        return super().compress(x, site)
 
 
 def test_the_engine_fills_the_call_and_keeps_sites_without_it() -> None:
@@ -82,23 +76,10 @@ def test_the_engine_fills_the_call_and_keeps_sites_without_it() -> None:
         ts.REGISTRY.unregister("testsite.rec")
 
 
-class _Copy(BaseCompressor):
-    name = "copy"
-    lossless = True
-
-    def compress(self, x: torch.Tensor, site: Site) -> Packed:
-        return Packed.like(x, self.name, data=x.clone())
-
-    def decompress(self, packed: Packed) -> torch.Tensor:
-        data = packed.tensors["data"]
-        assert isinstance(data, torch.Tensor)
-        return data
-
-
 def test_the_kept_sites_do_not_hold_the_calls_arguments() -> None:
     """An entry outlives its op call; a site kept with the call would hold every argument
     (here a bias autograd never saves) for as long as the graph lives."""
-    ts.register_strategy("testsite.copy", _Copy, lossless=True, summary="copies")
+    ts.register_strategy("testsite.copy", CloneCompressor, lossless=True, summary="copies")
     try:
         x = torch.randn(64, 64, requires_grad=True)
         w = torch.randn(64, 64, requires_grad=True)

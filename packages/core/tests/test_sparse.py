@@ -39,9 +39,8 @@ from torchstash.kernels.sparse_reference import (
 from torchstash.testing.bits import INT_VIEW, assert_bits_equal
 from torchstash.testing.native import build_host_program, run_host_program
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-IMPLS: tuple[Impl, ...] = ("kernel", "ref")
-INF, NAN = float("inf"), float("nan")
+from ._helpers import DTYPES, IMPLS, INF, NAN, assert_bad_impl_refused, spy_on
+
 KINDS = ["randn", "rounded", "zeros", "special"]
 
 # (segments, length): one element, one short and one long segment (more than one offset
@@ -382,9 +381,7 @@ def test_bad_arguments_raise_clear_errors(kernels_on: None, impl: Impl) -> None:
 
 
 def test_invalid_impl() -> None:
-    bad: Any = "fast"
-    with pytest.raises(ValueError, match="impl='fast' is not valid"):
-        topk_mask(torch.ones(3), 1, 1, impl=bad)
+    assert_bad_impl_refused(topk_mask, torch.ones(3), 1, 1)
 
 
 def test_ops_validate_direct_calls(kernels_on: None) -> None:
@@ -477,15 +474,7 @@ def test_kernel_path_is_the_compiled_op(kernels_on: None, monkeypatch: pytest.Mo
         "mask_offsets_ref",
         "offsets_scatter_ref",
     )
-    calls: list[str] = []
-    for name in names:
-        real = getattr(sp_mod, name)
-
-        def spy(*args: Any, _real: Any = real, _name: str = name) -> Any:
-            calls.append(_name)
-            return _real(*args)
-
-        monkeypatch.setattr(sp_mod, name, spy)
+    calls = spy_on(monkeypatch, sp_mod, names)
     x = torch.randn(4, 8)
     impls: tuple[Impl, ...] = ("auto", "ref")
     for impl in impls:
