@@ -159,3 +159,18 @@ def test_a_broken_argument_is_refused_by_all_three(case: Case, position: int) ->
     with FakeTensorMode() as mode, pytest.raises(RuntimeError, match=rf"\b{name}\b"):
         fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         getattr(ops, case.op)(*fakes)
+
+
+def test_every_op_the_library_defines_has_a_fake_kernel() -> None:
+    """Each ``m.def`` of the bindings has its fake kernel in ``_meta.FAKES`` (and a function
+    for it): an op without one breaks ``torch.compile`` on the first trace that meets it."""
+    import re
+
+    from torchstash.kernels import _meta
+
+    root, reason = loader.find_csrc()
+    if root is None:
+        pytest.skip(f"no kernel sources: {reason}")
+    defined = re.findall(r'm\.def\("(\w+)\(', (root / "bindings" / "ops.cpp").read_text())
+    assert defined and sorted(defined) == sorted(_meta.FAKES)
+    assert all(callable(getattr(_meta, f"_{name}_fake", None)) for name in _meta.FAKES)

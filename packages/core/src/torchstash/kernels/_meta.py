@@ -279,41 +279,25 @@ def _ops_defined() -> bool:
     return _op_defined("pack_bits")
 
 
+#: The op names of the fake kernels :func:`register` gives torch (``_<name>_fake`` each)
+FAKES = (
+    "pack_bits", "unpack_bits", "philox_uniform", "group_quantize", "group_dequantize",
+    "channel_minmax", "channel_quantize", "channel_dequantize", "row_center", "row_uncenter",
+    "row_group_quantize", "row_group_dequantize", "fp8_quantize", "fp8_dequantize", "sign_pack",
+    "sign_unpack", "sign_select", "level_quantize", "topk_mask", "mask_compact", "mask_scatter",
+    "mask_offsets", "offsets_scatter",
+)  # fmt: skip
+
+
 def register() -> None:
-    """Registers the fake kernels once per process (the ops must already be defined)."""
+    """Registers the fake kernels once per process (the ops must already be defined; a
+    library built from older sources, ``TORCHSTASH_CSRC_DIR``, may lack the newer ones)."""
     global _registered
     if _registered:
         return
-    torch.library.register_fake("torchstash::pack_bits", _pack_bits_fake)
-    torch.library.register_fake("torchstash::unpack_bits", _unpack_bits_fake)
-    torch.library.register_fake("torchstash::philox_uniform", _philox_uniform_fake)
-    # A library built from older sources (TORCHSTASH_CSRC_DIR) may lack the newer ops.
-    if _op_defined("group_quantize"):
-        torch.library.register_fake("torchstash::group_quantize", _group_quantize_fake)
-        torch.library.register_fake("torchstash::group_dequantize", _group_dequantize_fake)
-    if _op_defined("channel_quantize"):
-        torch.library.register_fake("torchstash::channel_minmax", _channel_minmax_fake)
-        torch.library.register_fake("torchstash::channel_quantize", _channel_quantize_fake)
-        torch.library.register_fake("torchstash::channel_dequantize", _channel_dequantize_fake)
-    if _op_defined("fp8_quantize"):
-        torch.library.register_fake("torchstash::row_center", _row_center_fake)
-        torch.library.register_fake("torchstash::row_uncenter", _row_uncenter_fake)
-        torch.library.register_fake("torchstash::row_group_quantize", _row_group_quantize_fake)
-        torch.library.register_fake("torchstash::row_group_dequantize", _row_group_dequantize_fake)
-        torch.library.register_fake("torchstash::fp8_quantize", _fp8_quantize_fake)
-        torch.library.register_fake("torchstash::fp8_dequantize", _fp8_dequantize_fake)
-        torch.library.register_fake("torchstash::sign_pack", _sign_pack_fake)
-        torch.library.register_fake("torchstash::sign_unpack", _sign_unpack_fake)
-    if _op_defined("sign_select"):
-        torch.library.register_fake("torchstash::sign_select", _sign_select_fake)
-    if _op_defined("level_quantize"):
-        torch.library.register_fake("torchstash::level_quantize", _level_quantize_fake)
-    if _op_defined("topk_mask"):
-        torch.library.register_fake("torchstash::topk_mask", _topk_mask_fake)
-        torch.library.register_fake("torchstash::mask_compact", _mask_compact_fake)
-        torch.library.register_fake("torchstash::mask_scatter", _mask_scatter_fake)
-        torch.library.register_fake("torchstash::mask_offsets", _mask_offsets_fake)
-        torch.library.register_fake("torchstash::offsets_scatter", _offsets_scatter_fake)
+    for name in FAKES:
+        if _op_defined(name):
+            torch.library.register_fake(f"torchstash::{name}", globals()[f"_{name}_fake"])
     _registered = True
 
 
