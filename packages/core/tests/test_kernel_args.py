@@ -171,6 +171,6 @@ def test_every_op_the_library_defines_has_a_fake_kernel() -> None:
     root, reason = loader.find_csrc()
     if root is None:
         pytest.skip(f"no kernel sources: {reason}")
-    defined = re.findall(r'm\.def\("(\w+)\(', (root / "bindings" / "ops.cpp").read_text())
+    defined = re.findall(r'm\.def\(\s*"(\w+)\(', (root / "bindings" / "ops.cpp").read_text())
     assert defined and sorted(defined) == sorted(_meta.FAKES)
     assert all(callable(getattr(_meta, f"_{name}_fake", None)) for name in _meta.FAKES)
