@@ -260,11 +260,7 @@ class Registry:
             return default
 
     def unregister_op_default(self, func: str) -> None:
-        with self._lock:
-            if self._loading:
-                self._check_own(func, "unregister")
-            self._op_defaults.pop(func, None)
-            self.generation += 1
+        self._drop(self._op_defaults, func)
 
     def op_default(self, func: str) -> OpDefault | None:
         """The default code of plug-in op ``func``, loading the plug-in owning its prefix."""
@@ -325,10 +321,14 @@ class Registry:
         return self._every(self._op_defaults)
 
     def unregister(self, name: str) -> None:
+        self._drop(self._strategies, name)
+
+    def _drop(self, table: dict[str, Any], name: str) -> None:
+        """Take ``name`` out of ``table`` (a loading plug-in only what its prefix owns)."""
         with self._lock:
             if self._loading:
                 self._check_own(name, "unregister")
-            self._strategies.pop(name, None)
+            table.pop(name, None)
             self.generation += 1
 
     def _provider(self, name: str) -> tuple[str, str]:
