@@ -58,6 +58,17 @@ def our_grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def assert_converted_weights(model: nn.Module, *, exact: str, dropped: str) -> None:
+    """After ``to_dropit(model, "mink", 0.9)``, the weight ``exact``'s gradient is stock's
+    bit for bit and ``dropped``'s is not (its layer's input was dropped)."""
+    x = torch.randn(32, 16)
+    stock = our_grads(model, x)
+    dropit.to_dropit(model, "mink", 0.9)
+    got = our_grads(model, x)
+    assert torch.equal(got[exact], stock[exact])
+    assert not torch.equal(got[dropped], stock[dropped])
+
+
 class Block(nn.Module):
     """A transformer MLP and a conv stem, as DropIT's DeiT and R-CNN runs convert them."""
 
@@ -133,12 +144,7 @@ def test_only_the_exact_types_are_converted() -> None:
 
     torch.manual_seed(0)
     model = nn.Sequential(MyLinear(16, 16), nn.GELU(), nn.Linear(16, 4))
-    x = torch.randn(32, 16)
-    stock = our_grads(model, x)
-    dropit.to_dropit(model, "mink", 0.9)
-    got = our_grads(model, x)
-    assert torch.equal(got["0.weight"], stock["0.weight"])
-    assert not torch.equal(got["2.weight"], stock["2.weight"])
+    assert_converted_weights(model, exact="0.weight", dropped="2.weight")
 
 
 def test_mink_cpuidx_is_mink_with_the_positions_in_host_memory() -> None:
@@ -216,12 +222,7 @@ def test_an_input_another_op_keeps_whole_stays_exact() -> None:
     and that layer's weight gradient stays exact."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
-    x = torch.randn(32, 16)
-    stock = our_grads(model, x)
-    dropit.to_dropit(model, "mink", 0.9)
-    got = our_grads(model, x)
-    assert torch.equal(got["2.weight"], stock["2.weight"])
-    assert not torch.equal(got["0.weight"], stock["0.weight"])
+    assert_converted_weights(model, exact="2.weight", dropped="0.weight")
 
 
 def test_a_gamma_that_keeps_nothing_zeroes_the_weight_gradient() -> None:
