@@ -39,29 +39,13 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 def memsave_forward(m: nn.Module, x: torch.Tensor) -> Any:
     """The functional call a memsave module makes, from the stock module's state."""
     a: Any = m
-    if isinstance(m, nn.modules.conv._ConvTransposeNd):
-        return MF.conv(
-            x,
-            a.weight,
-            a.bias,
-            stride=a.stride,
-            padding=a.padding,
-            dilation=a.dilation,
-            groups=a.groups,
-            transposed=True,
-            output_padding=a.output_padding,
-        )
     if isinstance(m, nn.modules.conv._ConvNd):
-        return MF.conv(
-            x,
-            a.weight,
-            a.bias,
-            stride=a.stride,
-            padding=a.padding,
-            dilation=a.dilation,
-            groups=a.groups,
-            padding_mode=a.padding_mode,
-        )
+        geometry = {k: getattr(a, k) for k in ("stride", "padding", "dilation", "groups")}
+        if isinstance(m, nn.modules.conv._ConvTransposeNd):
+            geometry.update(transposed=True, output_padding=a.output_padding)
+        else:
+            geometry.update(padding_mode=a.padding_mode)
+        return MF.conv(x, a.weight, a.bias, **geometry)
     if isinstance(m, nn.modules.batchnorm._BatchNorm):
         a._check_input_dim(x)
         return MF.module_batch_norm(
