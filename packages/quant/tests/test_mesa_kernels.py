@@ -17,7 +17,7 @@ from torchstash.layout import memory_order, restore
 from torchstash.packed import Packed
 from torchstash.testing.bits import assert_bits_equal
 from torchstash_quant import MesaQuantizer
-from torchstash_quant.mesa_codec import _NAN, _NEG_INF, _POS_INF, LEVELS
+from torchstash_quant.mesa_codec import _NAN, _NEG_INF, _POS_INF, LEVELS, record_parts
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -74,12 +74,8 @@ class LegacyMesa(MesaQuantizer):
         return packed
 
     def decompress(self, packed: Packed) -> torch.Tensor:
-        codes, lo, step = (packed.tensors[k] for k in ("codes", "lo", "step"))
-        assert isinstance(codes, torch.Tensor) and isinstance(lo, torch.Tensor)
-        assert isinstance(step, torch.Tensor)
-        order = packed.meta.get("order")
-        c = restore(codes, packed.shape, order if isinstance(order, tuple) else None)
-        axis = int(packed.meta["axis"])  # type: ignore[arg-type]
+        codes, lo, step, inverse, axis = record_parts(packed)
+        c = restore(codes, packed.shape, inverse)
         channels = packed.shape[axis]
         gid, _ = self._legacy_groups(channels, codes.device)
         shape = [1] * len(packed.shape)

@@ -188,12 +188,7 @@ class MesaQuantizer(BaseCompressor):
         return packed
 
     def decompress(self, packed: Packed) -> torch.Tensor:
-        codes, lo, step = (packed.tensors[k] for k in ("codes", "lo", "step"))
-        assert isinstance(codes, torch.Tensor) and isinstance(lo, torch.Tensor)
-        assert isinstance(step, torch.Tensor)
-        order = packed.meta.get("order")
-        inverse = order if isinstance(order, tuple) else None
-        axis = int(packed.meta["axis"])  # type: ignore[arg-type]
+        codes, lo, step, inverse, axis = record_parts(packed)
         channels = packed.shape[axis]
         gid, _ = self._group_of_channel(channels, codes.device)
         inner = _inner(packed.shape, axis, inverse)
@@ -201,3 +196,17 @@ class MesaQuantizer(BaseCompressor):
             codes, _per_channel(lo, gid), _per_channel(step, gid), inner, packed.dtype
         )
         return restore(flat, packed.shape, inverse)
+
+
+def record_parts(
+    packed: Packed,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...] | None, int]:
+    """A Mesa record's codes, per-group minimum and step, the memory order its codes were
+    taken in (None: contiguous) and the channel axis."""
+    codes, lo, step = (packed.tensors[k] for k in ("codes", "lo", "step"))
+    assert isinstance(codes, torch.Tensor) and isinstance(lo, torch.Tensor)
+    assert isinstance(step, torch.Tensor)
+    order = packed.meta.get("order")
+    axis = packed.meta["axis"]
+    assert isinstance(axis, int)
+    return codes, lo, step, order if isinstance(order, tuple) else None, axis
