@@ -77,16 +77,8 @@ def _conv_transpose(nd: int) -> Any:
         groups: int = 1,
     ) -> torch.Tensor:
         _check_dim(weight, nd, f"conv_transpose{nd}dMemSave")
-        return ms.conv(
-            input,
-            weight,
-            bias,
-            stride=stride,
-            padding=padding,
-            dilation=dilation,
-            groups=groups,
-            transposed=True,
-            output_padding=output_padding,
+        return convMemSave(
+            input, weight, bias, stride, padding, dilation, groups, True, output_padding
         )
 
     conv_transpose.__name__ = conv_transpose.__qualname__ = f"conv_transpose{nd}dMemSave"
