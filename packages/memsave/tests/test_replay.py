@@ -12,6 +12,7 @@ from torch import nn
 
 import torchstash as ts
 from torchstash.testing.replay import tally_rows
+from torchstash.testing.steps import Switched, assert_same_grads, grads
 from torchstash_memsave import functional as MF
 
 
@@ -28,12 +29,6 @@ def cnn() -> nn.Module:
     )
 
 
-def grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    model(x).square().sum().backward()
-    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
-
-
 def test_memsave_replays_its_relu_code_and_counts_as_recorded() -> None:
     torch.manual_seed(0)
     stock = cnn()
@@ -43,8 +38,7 @@ def test_memsave_replays_its_relu_code_and_counts_as_recorded() -> None:
         seen = []
         for _ in range(5):
             handle.tally.reset()
-            for a, b in zip(grads(stock, x), grads(model, x), strict=True):
-                torch.testing.assert_close(b, a, rtol=0, atol=0)
+            assert_same_grads(model, stock, x)
             seen.append(tally_rows(handle.tally))
         replayer = handle.engine.replayer
         assert (replayer.recorded, replayer.replayed, replayer.missed) == (2, 3, 0)
@@ -77,32 +71,26 @@ def test_a_dropped_code_is_not_computed_when_replayed(monkeypatch: pytest.Monkey
     assert calls == ["4"]  # the ReLU before the pooling; not the one before the conv
 
 
-class Switches(nn.Module):
-    """One position of the forward saves a ReLU's output or a tanh's, of the same shape."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(16, 64)
-        self.use_relu = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x)
-        h = MF.relu(h) if self.use_relu else torch.tanh(h)
-        return h.sum(-1)
+def switches() -> Switched:
+    """One position of the forward saves a ReLU's output or, switched, a tanh's, of the same
+    shape."""
+    return Switched(
+        nn.Linear(16, 64),
+        lambda fc, x: MF.relu(fc(x)).sum(-1),
+        lambda fc, x: torch.tanh(fc(x)).sum(-1),
+    )
 
 
 def test_a_code_is_never_replayed_onto_another_ops_save() -> None:
     torch.manual_seed(0)
-    stock = Switches()
+    stock = switches()
     model = copy.deepcopy(stock)
     x = torch.randn(32, 16)
     with ts.apply(model, "none") as handle:  # memsave.relu's own code applies under any plan
         for _ in range(3):
-            for a, b in zip(grads(stock, x), grads(model, x), strict=True):
-                torch.testing.assert_close(b, a, rtol=0, atol=0)
+            assert_same_grads(model, stock, x)
         assert handle.engine.replayer.replayed == 1
         assert sum(r.compressed for r in handle.tally.rows.values()) > 0
-        stock.use_relu = model.use_relu = False
-        for a, b in zip(grads(stock, x), grads(model, x), strict=True):
-            torch.testing.assert_close(b, a, rtol=0, atol=0)
+        stock.switch = model.switch = True
+        assert_same_grads(model, stock, x)
         assert handle.engine.replayer.missed == 1

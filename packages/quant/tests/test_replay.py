@@ -16,6 +16,7 @@ import torchstash as ts
 from torchstash.engine import Engine
 from torchstash.engine.replay import Replayer
 from torchstash.testing.replay import Tracked, tally_rows
+from torchstash.testing.steps import Switched, assert_same_grads, grads
 from torchstash_quant.strategies import auto
 
 #: strategies whose codes on a conv-BN-ReLU net all replay (at 4 bits and up, each
@@ -35,12 +36,6 @@ def cnn() -> nn.Module:
         nn.Flatten(),
         nn.Linear(16, 4),
     )
-
-
-def grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    model(x).square().sum().backward()
-    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
 @pytest.fixture
@@ -173,32 +168,26 @@ def test_a_new_layout_of_the_same_shape_is_a_guard_miss() -> None:
     recorded shape is a guard miss, kept as stock keeps it (gradients exactly stock's), and
     the forwards after it record and replay again."""
 
-    class Head(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(64, 8)
-            self.transpose = False
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if self.transpose:
-                x = x.t().contiguous().t()
-            return self.lin(torch.tanh(x))
+    def head() -> Switched:  # switched, the tanh's input is transposed in memory
+        return Switched(
+            nn.Linear(64, 8),
+            lambda lin, x: lin(torch.tanh(x)),
+            lambda lin, x: lin(torch.tanh(x.t().contiguous().t())),
+        )
 
     torch.manual_seed(0)
-    stock = Head()  # the twins' weights, under no strategy
-    full, ours, a, b = twins("quant.int2", Head)
+    stock = head()  # the twins' weights, under no strategy
+    full, ours, a, b = twins("quant.int2", head)
     x = torch.randn(64, 64)
     try:
         for _ in range(4):
-            for g, w in zip(grads(ours, x), grads(full, x), strict=True):
-                torch.testing.assert_close(g, w, rtol=0, atol=0)
+            assert_same_grads(ours, full, x)
         replayer = b.engine.replayer
         assert replayer.replayed == 2
-        ours.transpose = stock.transpose = True  # type: ignore[assignment]
-        for g, w in zip(grads(ours, x), grads(stock, x), strict=True):
-            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        ours.switch = stock.switch = True  # type: ignore[assignment]
+        assert_same_grads(ours, stock, x)
         assert replayer.missed == 1
-        ours.transpose = False  # type: ignore[assignment]
+        ours.switch = False  # type: ignore[assignment]
         for _ in range(3):
             grads(ours, x)
         assert replayer.replayed == 3 and replayer.missed == 1
