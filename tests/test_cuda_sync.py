@@ -9,7 +9,6 @@ test (``torchstash.testing.hostreads.KNOWN_HOST_READS``, shared with the CPU's g
 from __future__ import annotations
 
 import contextlib
-import traceback
 import warnings
 from collections.abc import Iterator
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 import torchstash as ts
-from torchstash.testing.hostreads import unexplained
+from torchstash.testing.hostreads import caller_frames, unexplained
 from torchstash.testing.models import zoo
 
 #: every strategy, and stock first (a model whose own step waits would fail them all)
@@ -33,8 +32,7 @@ def host_waits() -> Iterator[list[list[str]]]:
 
     def show(message: object, *args: object, **kwargs: object) -> None:
         if "called a synchronizing CUDA operation" in str(message):
-            stack = traceback.extract_stack()[:-1]  # less this function, and the warnings module's
-            found.append([f.name for f in stack if not f.filename.endswith("warnings.py")])
+            found.append(caller_frames())
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -53,7 +51,7 @@ def test_a_host_read_is_seen() -> None:
         pytest.skip("needs a CUDA GPU; none is visible to torch here")
     with host_waits() as stacks:
         torch.ones(1, device="cuda").item()
-    assert stacks and stacks[0][-1] == "test_a_host_read_is_seen", stacks
+    assert stacks and stacks[0][-1] == "test_cuda_sync:test_a_host_read_is_seen", stacks
 
 
 @pytest.mark.cuda

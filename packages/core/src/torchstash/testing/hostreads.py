@@ -13,19 +13,21 @@ and is seen only on a GPU.
 from __future__ import annotations
 
 import contextlib
+import os
 import traceback
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["KNOWN_HOST_READS", "host_reads", "unexplained"]
+__all__ = ["KNOWN_HOST_READS", "caller_frames", "host_reads", "unexplained"]
 
-#: The functions that read a device value on purpose, and why: each costs a CUDA step one
-#: wait for the device (their removal is owed: docs/gpu.md).
+#: The functions that read a device value on purpose (``module:function``, the module by its
+#: file's name), and why: each costs a CUDA step one wait for the device (their removal is
+#: owed: docs/gpu.md).
 KNOWN_HOST_READS = {
-    "pack_pool_positions": "quant's max-pool positions are checked to give the indices back",
-    "compress_as": "quant.int1 reads whether a group holds NaN or Inf (then codes it at 2 bits)",
+    "pool:pack_pool_positions": "quant's max-pool positions are checked to give the indices back",
+    "groupwise:compress_as": "quant.int1 reads whether a group holds NaN or Inf (then 2 bits)",
 }
 
 #: Each host read that is patched: the tensor methods, then torch's functions
@@ -39,14 +41,14 @@ _READS: tuple[tuple[Any, str], ...] = (
 
 @contextlib.contextmanager
 def host_reads() -> Iterator[list[list[str]]]:
-    """Inside, each host read appends its caller's stack (function names, innermost last).
+    """Inside, each host read appends its caller's stack (:func:`caller_frames`).
     Patches torch process-wide (one thread at a time), and puts everything back on exit."""
     found: list[list[str]] = []
     saved = [(owner, name, getattr(owner, name)) for owner, name in _READS]
 
     def recording(original: Any) -> Any:
         def read(*args: Any, **kwargs: Any) -> Any:
-            found.append([f.name for f in traceback.extract_stack()[:-1]])
+            found.append(caller_frames())
             return original(*args, **kwargs)
 
         return read
@@ -58,6 +60,14 @@ def host_reads() -> Iterator[list[list[str]]]:
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)
+
+
+def caller_frames() -> list[str]:
+    """The calling stack as ``module:function`` (innermost last), less the caller itself and
+    the warnings module's frames (a sync warning's stack passes through them)."""
+    stack = traceback.extract_stack()[:-2]
+    names = [(os.path.basename(f.filename).removesuffix(".py"), f.name) for f in stack]
+    return [f"{module}:{name}" for module, name in names if module != "warnings"]
 
 
 def unexplained(stacks: Iterable[list[str]], known: Iterable[str] = KNOWN_HOST_READS) -> list[str]:
