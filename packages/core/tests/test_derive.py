@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchstash as ts
+from torchstash import derive
 from torchstash.derive import matmul_order, recipe
 from torchstash.site import Site
 from torchstash.testing.models import SelfAttention
@@ -508,13 +509,13 @@ def test_attention_map_is_recomputed_once_per_backward(monkeypatch: pytest.Monke
     from torchstash import derive
 
     replayed: list[str] = []
-    call = derive.Replay.__call__
+    run = derive.Replay.run
 
-    def counted(self: derive.Replay, t: torch.Tensor) -> torch.Tensor:
+    def counted(self: derive.Replay, t: torch.Tensor, owned: bool) -> tuple[torch.Tensor, bool]:
         replayed.append(getattr(self.func, "__name__", ""))
-        return call(self, t)
+        return run(self, t, owned)
 
-    monkeypatch.setattr(derive.Replay, "__call__", counted)
+    monkeypatch.setattr(derive.Replay, "run", counted)
     torch.manual_seed(0)
     model, x = WrittenAttention("nanogpt"), torch.randn(2, 8, 32)
     with ts.apply(model, "test.derive", min_bytes=0):
@@ -592,3 +593,51 @@ def test_broadcast_is_torchs() -> None:
         except RuntimeError:
             want = None
         assert _broadcast(a, b) == want, (a, b)
+
+
+def _relu_step(inplace: bool) -> derive.Replay:
+    x = torch.randn(4)
+    return derive.Replay(torch.relu_ if inplace else torch.relu, [x], {}, 0)
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["relu_", "relu"])
+def test_an_in_place_step_runs_in_place_only_on_a_fresh_recipe_output(inplace: bool) -> None:
+    """A BatchNorm's recomputed output, new and held by no one, takes its in-place ReLU in
+    place as the forward did (one pass and one tensor fewer); an out-of-place ReLU stays
+    out of place, and a recipe that returns its operand (SDPA's saved output, another
+    entry's restored value) never has it changed."""
+    x = torch.randn(2, 3, 4, 4)
+    mean, invstd = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False).add(1e-5).rsqrt()
+    bn = derive.Recipe("batch_norm", {"weight": None, "bias": None}, [mean, invstd])
+    steps = (_relu_step(inplace),)
+    ran: list[bool] = []
+    run = derive.Replay.run
+
+    def spied(self: derive.Replay, t: torch.Tensor, owned: bool) -> tuple[torch.Tensor, bool]:
+        out = run(self, t, owned)
+        ran.append(out[1])
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(derive.Replay, "run", spied)
+        got = derive.replace(bn, steps=steps)(x)
+        want = F.relu(F.batch_norm(x, None, None, training=True))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert ran == [inplace]
+        operand = torch.randn(2, 3, 4, 4)
+        before = operand.clone()
+        saved = derive.Recipe(derive.SDPA, {}, steps=steps)(operand)
+        assert torch.equal(operand, before)  # not changed in place
+        assert torch.equal(saved, before.relu())
+        assert ran == [inplace, False]
+
+
+def test_batch_norm_recipe_keeps_nan_and_inf() -> None:
+    """The recomputed BatchNorm output carries a NaN or an infinity where stock's does."""
+    x = torch.randn(2, 3, 4, 4)
+    x[0, 1, 2, 2], x[1, 2, 0, 0] = float("nan"), float("inf")
+    mean, invstd = torch.zeros(3), torch.ones(3)
+    r = derive.Recipe("batch_norm", {"weight": None, "bias": None}, [mean, invstd])
+    got = r(x)
+    assert torch.isnan(got[0, 1, 2, 2]) and torch.isinf(got[1, 2, 0, 0])
+    assert torch.equal(got.isfinite(), x.isfinite())
