@@ -200,7 +200,7 @@ def rebuild(
         if kept is None or not isinstance(kept.value, torch.Tensor) or kept.value is RELEASED:
             return None
         stats.append(kept.value)
-    recipe = dataclasses.replace(d.recipe, stats=stats)
+    recipe = d.recipe.with_stats(stats)
     source.pending += 1
     return Recomputed([(source, d.shape)], recipe, t.shape)
 
