@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchstash as ts
-from torchstash import derive
+from torchstash import derive, replaystep
 from torchstash.derive import matmul_order, recipe
 from torchstash.site import Site
 from torchstash.testing.models import SelfAttention
@@ -506,16 +506,15 @@ def test_mask_held_by_a_recipe_is_counted_once_and_checked() -> None:
 def test_attention_map_is_recomputed_once_per_backward(monkeypatch: pytest.MonkeyPatch) -> None:
     """Three backward ops read the map (the softmax's, the ``@ v``'s and the projection
     input's recipe): it is replayed once and kept until the last of them read it."""
-    from torchstash import derive
 
     replayed: list[str] = []
-    run = derive.Replay.run
+    run = replaystep.Replay.run
 
-    def counted(self: derive.Replay, t: torch.Tensor, owned: bool) -> tuple[torch.Tensor, bool]:
+    def counted(self: replaystep.Replay, t: torch.Tensor, owned: bool) -> tuple[torch.Tensor, bool]:
         replayed.append(getattr(self.func, "__name__", ""))
         return run(self, t, owned)
 
-    monkeypatch.setattr(derive.Replay, "run", counted)
+    monkeypatch.setattr(replaystep.Replay, "run", counted)
     torch.manual_seed(0)
     model, x = WrittenAttention("nanogpt"), torch.randn(2, 8, 32)
     with ts.apply(model, "test.derive", min_bytes=0):
@@ -530,7 +529,8 @@ def test_a_replay_runs_under_the_autocast_of_its_forward() -> None:
     replayed there computes as it did in the forward. On CUDA, autocast runs a softmax in
     float32 on a bf16 map; replayed without it, the map came back bf16 and the softmax's
     backward failed ("expected scalar type Float but found BFloat16")."""
-    from torchstash.derive import Recipe, replay_step
+    from torchstash.derive import Recipe
+    from torchstash.replaystep import replay_step
 
     x, w = torch.randn(4, 8), torch.randn(8, 8)
     with torch.autocast("cpu", torch.bfloat16):
@@ -595,9 +595,9 @@ def test_broadcast_is_torchs() -> None:
         assert _broadcast(a, b) == want, (a, b)
 
 
-def _relu_step(inplace: bool) -> derive.Replay:
+def _relu_step(inplace: bool) -> replaystep.Replay:
     x = torch.randn(4)
-    return derive.Replay(torch.relu_ if inplace else torch.relu, [x], {}, 0)
+    return replaystep.Replay(torch.relu_ if inplace else torch.relu, [x], {}, 0)
 
 
 @pytest.mark.parametrize("inplace", [True, False], ids=["relu_", "relu"])
@@ -611,15 +611,15 @@ def test_an_in_place_step_runs_in_place_only_on_a_fresh_recipe_output(inplace: b
     bn = derive.Recipe("batch_norm", {"weight": None, "bias": None}, [mean, invstd])
     steps = (_relu_step(inplace),)
     ran: list[bool] = []
-    run = derive.Replay.run
+    run = replaystep.Replay.run
 
-    def spied(self: derive.Replay, t: torch.Tensor, owned: bool) -> tuple[torch.Tensor, bool]:
+    def spied(self: replaystep.Replay, t: torch.Tensor, owned: bool) -> tuple[torch.Tensor, bool]:
         out = run(self, t, owned)
         ran.append(out[1])
         return out
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(derive.Replay, "run", spied)
+        mp.setattr(replaystep.Replay, "run", spied)
         got = derive.replace(bn, steps=steps)(x)
         want = F.relu(F.batch_norm(x, None, None, training=True))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

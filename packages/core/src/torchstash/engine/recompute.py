@@ -28,12 +28,12 @@ from ..derive import (
     fused_attention,
     matmul_order,
     recipe,
-    replay_step,
     save_kind,
 )
 from ..optrack import STATE as OP_STATE
 from ..optrack import on_result
 from ..packed import Packed
+from ..replaystep import replay_step
 from ..site import Site
 from .entries import RELEASED, Entry, Recomputed, dedupe_key, version_alias
 from .messages import FUSED_EXACT_REASON
