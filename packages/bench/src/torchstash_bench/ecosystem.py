@@ -150,22 +150,24 @@ def _vision(build: Callable[[], nn.Module], library: str, memsave: tuple[str, st
     return Spec(build, _images, _logits_loss, library, memsave)
 
 
+def _hf_text(build: Callable[[], nn.Module], memsave: tuple[str, str]) -> Spec:
+    """A Hugging Face language model: random tokens as its own labels, its own loss."""
+    return Spec(build, _tokens, _hf_loss, "transformers", memsave)
+
+
+#: what memsave does to a model whose only rewritable layers are its dropouts
+_DROPOUT_MASKS = ("reduces", "its Dropout(0.1) layers keep 1-bit masks")
+
+
 MODELS: dict[str, Spec] = {
-    "hf-gpt2": Spec(
-        _gpt2, _tokens, _hf_loss, "transformers",
-        ("reduces", "its Dropout(0.1) layers keep 1-bit masks"),
-    ),
-    "hf-bert": Spec(
-        _bert, _tokens, _hf_loss, "transformers",
-        ("reduces", "its Dropout(0.1) layers keep 1-bit masks"),
-    ),
+    "hf-gpt2": _hf_text(_gpt2, _DROPOUT_MASKS),
+    "hf-bert": _hf_text(_bert, _DROPOUT_MASKS),
     "hf-vit": Spec(
         _hf_vit, _images, _hf_loss, "transformers",
         ("equal", "dropout 0, LayerNorm and the patch conv train: stock keeps only what is needed"),
     ),
-    "hf-llama": Spec(
-        _llama, _tokens, _hf_loss, "transformers",
-        ("error", "LlamaRMSNorm is its own class and SiLU is no ReLU: nothing to rewrite"),
+    "hf-llama": _hf_text(
+        _llama, ("error", "LlamaRMSNorm is its own class and SiLU is no ReLU: nothing to rewrite")
     ),
     "timm-deit": _vision(
         _timm("deit_tiny_patch16_224", img_size=IMAGE, patch_size=8, depth=2), "timm",

@@ -119,18 +119,23 @@ def packed_size(numel: int, bits: int) -> int:
     return (numel + per - 1) // per
 
 
-def check_packed(packed: torch.Tensor, bits: int, numel: int, *, op: str) -> None:
-    if not isinstance(packed, torch.Tensor):
-        raise TypeError(f"{op}: packed must be a torch.Tensor, got {type(packed).__name__}")
-    if packed.dtype != torch.uint8:
+def check_bytes(t: torch.Tensor, name: str, made_by: str, *, op: str) -> torch.Tensor:
+    """``t`` is a 1-D uint8 tensor, as the op ``made_by`` returns its codes."""
+    t = check_tensor(t, name, op=op)
+    if t.dtype != torch.uint8:
         raise TypeError(
-            f"{op}: packed must be uint8, got {packed.dtype}; pass the tensor pack_bits returned"
+            f"{op}: {name} must be uint8, got {t.dtype}; pass the tensor {made_by} returned"
         )
-    if packed.dim() != 1:
+    if t.dim() != 1:
         raise ValueError(
-            f"{op}: packed must be 1-D, got {packed.dim()} dims; "
-            "pass the tensor pack_bits returned, or flatten it"
+            f"{op}: {name} must be 1-D, got {t.dim()} dims; "
+            f"pass the tensor {made_by} returned, or flatten it"
         )
+    return t
+
+
+def check_packed(packed: torch.Tensor, bits: int, numel: int, *, op: str) -> None:
+    check_bytes(packed, "packed", "pack_bits", op=op)
     expected = packed_size(numel, bits)
     if packed.numel() != expected:
         raise ValueError(

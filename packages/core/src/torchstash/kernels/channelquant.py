@@ -20,6 +20,7 @@ import torch
 
 from ._checks import (
     as_int64,
+    check_bytes,
     check_count,
     check_flag,
     check_float_dtype,
@@ -137,16 +138,7 @@ def channel_dequantize(
     """The 1-D ``dtype`` tensor of ``codes.numel()`` values that :func:`channel_quantize`
     encoded (NaN and Inf back where they were)."""
     op = "channel_dequantize"
-    codes = check_tensor(codes, "codes", op=op)
-    if codes.dtype != torch.uint8:
-        raise TypeError(
-            f"{op}: codes must be uint8, got {codes.dtype}; pass the tensor channel_quantize returned"
-        )
-    if codes.dim() != 1:
-        raise ValueError(
-            f"{op}: codes must be 1-D, got {codes.dim()} dims; "
-            "pass the tensor channel_quantize returned, or flatten it"
-        )
+    codes = check_bytes(codes, "codes", "channel_quantize", op=op)
     check_count(inner, "inner", op=op, hint=_INNER_HINT)
     channels = _check_params(lo, step, codes, "codes", op=op)
     _check_layout(codes.numel(), inner, channels, "codes", op=op)
