@@ -75,9 +75,6 @@ class TestFp8(CompressorContract):
     def make_compressor(self) -> Compressor:
         return Fp8Quantizer()
 
-    def expect_smaller(self, dtype: torch.dtype) -> bool:
-        return dtype == torch.float32 or dtype == torch.float16 or dtype == torch.bfloat16
-
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_packed_bytes_are_what_the_bits_say(bits: int) -> None:

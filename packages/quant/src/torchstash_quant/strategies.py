@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -121,17 +122,26 @@ def _fixed(bits: int) -> Callable[..., OpAware]:
     return functools.partial(quant, bits)
 
 
-@STRATEGIES.strategy("quant.mesa", lossless=False)
-def mesa(
-    bits: int = 8,
-    ema_decay: float = 0.9,
-    groups: int | None = None,
-    stochastic: bool = True,
-    seed: int | None = None,
-    group_size: int | None = None,
-) -> OpAware:
-    """Mesa: 8-bit head-wise codes from running (EMA) ranges, widened: nothing wraps."""
-    return OpAware(MesaQuantizer(bits, ema_decay, groups, stochastic, seed, group_size))
+def _op_aware(codec: type[Compressor], summary: str) -> Callable[..., OpAware]:
+    """A strategy whose options are ``codec``'s own (its signature, which the registry reads
+    and checks), its codes placed per op by :class:`OpAware`."""
+
+    def factory(*args: Any, **options: Any) -> OpAware:
+        return OpAware(codec(*args, **options))
+
+    factory.__signature__ = inspect.signature(codec).replace(  # type: ignore[attr-defined]
+        return_annotation=OpAware
+    )
+    factory.__doc__ = summary
+    return factory
+
+
+mesa = STRATEGIES.strategy("quant.mesa", lossless=False)(
+    _op_aware(
+        MesaQuantizer,
+        "Mesa: 8-bit head-wise codes from running (EMA) ranges, widened: nothing wraps.",
+    )
+)
 
 
 @STRATEGIES.strategy("quant.auto", lossless=False)
@@ -170,10 +180,9 @@ def auto(
     return OpAware(values, derivs=derivs, derive=bool(derive))
 
 
-@STRATEGIES.strategy("quant.fp8", lossless=False)
-def fp8(group_size: int = 256) -> OpAware:
-    """Float codes in e4m3 with a per-group scale."""
-    return OpAware(Fp8Quantizer(group_size))
+fp8 = STRATEGIES.strategy("quant.fp8", lossless=False)(
+    _op_aware(Fp8Quantizer, "Float codes in e4m3 with a per-group scale.")
+)
 
 
 def level(name: str, group_size: int = 256, seed: int | None = None) -> Compressor | None:
