@@ -13,6 +13,8 @@ import pytest
 import torch
 from rich.console import Console
 
+from torchstash_bench.convergence_tasks import textures
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "convergence.py"
 
 
@@ -91,8 +93,8 @@ def test_targets(conv) -> None:
 
 
 def test_textures_are_deterministic(conv) -> None:
-    a = conv.textures(16, 32, 8, torch.Generator().manual_seed(3))
-    b = conv.textures(16, 32, 8, torch.Generator().manual_seed(3))
+    a = textures(16, 32, 8, torch.Generator().manual_seed(3))
+    b = textures(16, 32, 8, torch.Generator().manual_seed(3))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert a[0].shape == (16, 3, 32, 32)
 
