@@ -228,6 +228,7 @@ class Engine(Scoping, Recomputation):
             if kind != KEEP:
                 move.compressor, move.variant = entry.compressor, variant
                 move.node, move.strides = type(t.grad_fn), t.stride()
+                move.dense = entry.strides
                 move.derive = derive
             if isinstance(value, Packed):
                 move.code_bytes = value.nbytes()

@@ -104,6 +104,32 @@ class Entry:
         entry.strides = None
         return entry
 
+    @classmethod
+    def coded(
+        cls,
+        value: Packed | Recomputed,
+        compressor: Compressor | None,
+        site: Site,
+        t: torch.Tensor,
+        variant: str,
+    ) -> Entry:
+        """An entry holding a code or a recipe of ``t`` (which it does not hold), for a site
+        kept without its call: the replayed path's, one per save, shared by none."""
+        entry = cls.__new__(cls)
+        entry.value = value
+        entry.compressor = compressor
+        entry.variant = variant
+        entry.site = site if site.opcall is NO_CALL else without_call(site)
+        entry.version = t._version
+        entry.source = _gone
+        entry.graph = None
+        entry.watch = version_alias(t)
+        entry.pending = 0
+        entry.cache = None
+        entry.reason = ""
+        entry.strides = None
+        return entry
+
     def modified(self) -> int | None:
         """The saved tensor's version now, when an in-place op changed it since the save."""
         value = self.value

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ..compressor import Compressor, replays_next
-from ..layout import dense_strides
 from ..packed import Packed, storage_base
 from ..site import Site
 from .entries import Entry, Graph, Recomputed, Saved, dedupe_key
@@ -99,8 +98,10 @@ class Move:
     compressor: Compressor | None = None
     variant: str = ""
     node: type | None = None
-    #: a CODE move's strides (a code's grouping may follow the layout)
+    #: a CODE or DERIVE move's strides (a code's grouping may follow the layout), and the
+    #: layout its restore gives back (:func:`~torchstash.layout.dense_strides` of them)
     strides: tuple[int, ...] = ()
+    dense: tuple[int, ...] | None = None
     #: a CODE move's payload bytes: a replayed code of other bytes (a 1-bit code widened to
     #: 2 bits for a NaN) is a guard miss, kept exact, as its totals would not hold
     code_bytes: int = -1
@@ -476,8 +477,8 @@ class Replayer:
             if packed is None or packed.nbytes() != m.code_bytes:
                 return None
             tls.bases.code(i, t)
-            entry = Entry(packed, m.compressor, site, t._version, None, m.variant, t)
-            entry.strides = dense_strides(t)
+            entry = Entry.coded(packed, m.compressor, site, t, m.variant)
+            entry.strides = m.dense
         elif kind == DERIVE:
             rebuilt = self._rederive(t, m, tls)
             if rebuilt is None:
@@ -514,8 +515,8 @@ class Replayer:
         told = getattr(compressor, "derived", None)
         if told is not None:
             told(t, site, [source.site for source, _ in value.sources])
-        entry = Entry(value, compressor, site, t._version, None, m.variant, t)
-        entry.strides = dense_strides(t)
+        entry = Entry.coded(value, compressor, site, t, m.variant)
+        entry.strides = m.dense
         return entry
 
     def finish_replay(self, tls: ReplayState) -> bool:
