@@ -86,10 +86,20 @@ def _identity(t: Tensor) -> Tensor:
 # -- the methods ----------------------------------------------------------------------------
 
 
+#: class names of the units checkpointing wraps in models from elsewhere: timm's transformer
+#: blocks, torchvision's and timm's ResNet blocks
+BLOCK_NAMES = frozenset({"Block", "BasicBlock", "Bottleneck"})
+
+
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The units checkpointing wraps: transformer blocks and ResNet basic blocks; in another
-    model, the children of its longest ``ModuleList``/``Sequential``."""
-    blocks = [m for m in model.modules() if isinstance(m, Block | BasicBlock)]
+    """The units checkpointing wraps: transformer blocks and ResNet basic and bottleneck
+    blocks (the zoo's, or by their class names); in another model, the children of its
+    longest ``ModuleList``/``Sequential``."""
+    blocks = [
+        m
+        for m in model.modules()
+        if isinstance(m, Block | BasicBlock) or type(m).__name__ in BLOCK_NAMES
+    ]
     if blocks:
         return blocks
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList | nn.Sequential)]
