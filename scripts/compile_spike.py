@@ -10,6 +10,7 @@ It also prints what the hooks are told of each saved value (its node, the module
 AOTAutograd traces them: what op-aware choices would read.
 
     python scripts/compile_spike.py          # inductor, CPU, one thread, about a minute
+    python scripts/compile_spike.py --device cuda --scale base   # held: CUDA's allocator
 
 Round to nearest (the kernel's seed is a plain integer, a constant in a compiled graph); every
 float32 tensor of 4096 elements or more is coded, whatever its op. See docs/compile.md.
@@ -17,11 +18,14 @@ float32 tensor of 4096 elements or more is coded, whatever its op. See docs/comp
 
 from __future__ import annotations
 
+import argparse
 import copy
+import functools
 import gc
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx
@@ -29,7 +33,7 @@ from torch import nn
 
 from torchstash.kernels import loader
 from torchstash.testing import heap
-from torchstash.testing.models import zoo
+from torchstash.testing.models import ZooEntry, zoo
 
 GROUP = 256
 MIN_NUMEL = 4096
@@ -45,9 +49,9 @@ def _context() -> dict[str, object] | None:
 def _pack(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     ctx = _context()
     if ctx is not None:
-        node = ctx["_node"]
+        node: Any = ctx["_node"]  # the torch.fx node that saved ``x``
         stack = list(getattr(node, "meta", {}).get("nn_module_stack", {}).values())
-        SEEN.append((node.name, str(node.target), stack[-1][0] if stack else ""))  # type: ignore[union-attr]
+        SEEN.append((node.name, str(node.target), stack[-1][0] if stack else ""))
     if x.dtype != torch.float32 or x.numel() < MIN_NUMEL:
         return (x,)
     codes, lo, step = torch.ops.torchstash.group_quantize(x.reshape(-1), 8, GROUP, 0, False)
@@ -81,10 +85,13 @@ HOOKS = (torch.fx.symbolic_trace(pack_hook), torch.fx.symbolic_trace(unpack_hook
 
 
 def measure(
-    name: str, build: Callable[[], nn.Module], loss: Callable[[nn.Module], torch.Tensor]
+    name: str,
+    build: Callable[[], nn.Module],
+    loss: Callable[[nn.Module], torch.Tensor],
+    device: torch.device,
 ) -> None:
     torch.manual_seed(0)
-    model = build()
+    model = build().to(device)
     stock = copy.deepcopy(model)
     compiled_stock = torch.compile(stock, fullgraph=True)
     compiled = torch.compile(model, fullgraph=True)
@@ -109,13 +116,15 @@ def measure(
     for i in range(13):
         for hooked in (False, True):
             m = compiled if hooked else compiled_stock
+            _sync(device)
             t = time.perf_counter()
             step(m, hooked)
+            _sync(device)
             if i >= 3:
                 times[hooked].append(time.perf_counter() - t)
     ratio = statistics.median(times[True]) / statistics.median(times[False])
-    held_stock, _ = held(lambda: forward(compiled_stock, False))
-    held_hooked, kept = held(lambda: forward(compiled, True))
+    held_stock, _ = held(lambda: forward(compiled_stock, False), device)
+    held_hooked, kept = held(lambda: forward(compiled, True), device)
     print(
         f"{name:8s} cosine {cosine:.5f}  step {ratio:.2f}x compiled stock  held "
         f"{held_stock / 1e6:.2f} MB -> {held_hooked / 1e6:.2f} MB  (dropped unused: "
@@ -123,30 +132,56 @@ def measure(
     )
 
 
-def held(forward: Callable[[], torch.Tensor]) -> tuple[int, int]:
-    """(the heap a warm forward's loss holds, what stays once the loss is dropped unused)."""
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _allocated(device: torch.device) -> int:
+    """Bytes the device's allocator has handed out (the CPU's: glibc's heap)."""
+    if device.type == "cuda":
+        _sync(device)
+        return torch.cuda.memory_allocated(device)
+    return heap.heap_bytes()
+
+
+def held(forward: Callable[[], torch.Tensor], device: torch.device) -> tuple[int, int]:
+    """(the memory a warm forward's loss holds, what stays once the loss is dropped unused)."""
     gc.collect()
-    before = heap.heap_bytes()
+    before = _allocated(device)
     loss = forward()
     gc.collect()
-    alive = heap.heap_bytes()
+    alive = _allocated(device)
     del loss
     gc.collect()
-    return alive - before, heap.heap_bytes() - before
+    return alive - before, _allocated(device) - before
 
 
-def main() -> None:
-    loader.require("cpu")
-    torch.set_num_threads(1)
-    x = torch.randn(64, 256)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--scale", default="small", help="the zoo's scale (default: small)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    loader.require(device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # the heap gauge reads one thread's allocations
+    x = torch.randn(64, 256, device=device)
 
     def mlp() -> nn.Module:
         return nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
 
-    measure("mlp", mlp, lambda m: m(x).square().sum())
-    for entry in zoo("small"):
-        inputs, targets = entry.batch(entry.batch_size, torch.device("cpu"))
-        measure(entry.name, entry.build, lambda m, e=entry, i=inputs, t=targets: e.loss(m, i, t))
+    measure("mlp", mlp, lambda m: m(x).square().sum(), device)
+    for entry in zoo(args.scale):
+        inputs, targets = entry.batch(entry.batch_size, device)
+        loss = functools.partial(_zoo_loss, entry, inputs, targets)
+        measure(entry.name, entry.build, loss, device)
+
+
+def _zoo_loss(
+    entry: ZooEntry, inputs: torch.Tensor, targets: torch.Tensor, m: nn.Module
+) -> torch.Tensor:
+    return entry.loss(m, inputs, targets)
 
 
 if __name__ == "__main__":

@@ -101,9 +101,10 @@ def storage_nbytes(t: torch.Tensor) -> int:
 
 
 def _plain_nbytes(payload: dict[str, Payload]) -> int | None:
-    """:meth:`Packed.nbytes` of a payload of plain CPU or CUDA tensors, each over a storage of
-    its own (a code's usual payload), with fewer calls per tensor (every replayed save checks
-    its code's bytes); None for anything else, which the general count takes."""
+    """:meth:`Packed.nbytes` of a payload of plain tensors, each over a storage of its own (a
+    code's usual payload), with fewer calls per tensor (every replayed save checks its code's
+    bytes); None for anything else (a nested record, a shared or empty storage, a sparse,
+    meta or nested tensor, a subclass), which the general count takes."""
     total = 0
     seen: set[int] = set()
     for t in payload.values():

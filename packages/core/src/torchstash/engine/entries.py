@@ -86,7 +86,7 @@ class Entry:
         self.strides: tuple[int, ...] | None = None
 
     @classmethod
-    def kept(cls, value: torch.Tensor, site: Site, version: int) -> Entry:
+    def kept(cls, value: torch.Tensor | Packed | Recomputed, site: Site, version: int) -> Entry:
         """An entry holding ``value`` as it is, for a site kept without its call: the
         replayed path's (:mod:`.replay`), which builds one per save and shares none."""
         entry = cls.__new__(cls)
@@ -113,21 +113,12 @@ class Entry:
         t: torch.Tensor,
         variant: str,
     ) -> Entry:
-        """An entry holding a code or a recipe of ``t`` (which it does not hold), for a site
-        kept without its call: the replayed path's, one per save, shared by none."""
-        entry = cls.__new__(cls)
-        entry.value = value
+        """An entry holding a code or a recipe of ``t`` (which it does not hold, only its
+        version counter): the replayed path's, one per save, shared by none."""
+        entry = cls.kept(value, site if site.opcall is NO_CALL else without_call(site), t._version)
         entry.compressor = compressor
         entry.variant = variant
-        entry.site = site if site.opcall is NO_CALL else without_call(site)
-        entry.version = t._version
-        entry.source = _gone
-        entry.graph = None
         entry.watch = version_alias(t)
-        entry.pending = 0
-        entry.cache = None
-        entry.reason = ""
-        entry.strides = None
         return entry
 
     def modified(self) -> int | None:
