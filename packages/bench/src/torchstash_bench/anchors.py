@@ -37,12 +37,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from rich.console import Console
-from rich.markup import escape
 from torch import Tensor, nn
 
 from torchstash.testing import heap
 
-from .common import default_device, error_text, fmt, jsonable, num_threads, rows_table, split_names
+from .common import (
+    default_device,
+    error_text,
+    fmt,
+    jsonable,
+    num_threads,
+    rows_table,
+    share,
+    split_names,
+    timing_arguments,
+)
 from .compare_methods import CHECKPOINT, Attached, Method, methods
 
 
@@ -245,13 +254,12 @@ def table(rows: Sequence[dict[str, Any]], title: str) -> Any:
         ("setting", lambda r: r["anchor"]),
         ("method", lambda r: r["method"]),
         ("held MB", lambda r: _mb(r["held_bytes"])),
-        ("held", lambda r: "-" if r["held_share"] is None else f"{100 * r['held_share']:.1f}%"),
+        ("held", share("held_share")),
         ("peak MB", lambda r: _mb(r["peak_bytes"])),
         ("images/s", lambda r: fmt(r["images_per_s"], ".1f")),
         ("x stock", lambda r: fmt(r["ratio"], ".2f", "x")),
     ]
-    shown = [{**r, "error": escape(r["error"])} if r["error"] else r for r in rows]
-    return rows_table(title, columns, shown, failed="error")
+    return rows_table(title, columns, rows, failed="error")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -265,10 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", type=split_names, default=None, help="methods beside stock")
     p.add_argument("--scale", choices=("paper", "tiny"), default="paper")
     p.add_argument("--batch", type=int, default=None, help="batch (default: the paper's)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
+    timing_arguments(p, threads=None, warmup=3, steps=10)
     p.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON")
     return p
 

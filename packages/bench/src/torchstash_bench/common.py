@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -169,7 +170,8 @@ def rows_table(
 ) -> Table:
     """One row per row, one column per ``(header, cell)``: the first ``left`` columns (the
     row's names) left-justified, the figures right. A row whose ``failed`` key is set shows
-    that text in its last cell and dashes in the figures."""
+    that text (as text, never as markup: an error quotes brackets) in its last cell and
+    dashes in the figures."""
     t = Table(title=title)
     for i, (header, _) in enumerate(columns):
         t.add_column(header, justify="left" if i < left else "right")
@@ -177,7 +179,7 @@ def rows_table(
         why = r.get(failed) if failed else None
         if why:
             names = [cell(r) for _, cell in columns[:left]]
-            t.add_row(*names, *["-"] * (len(columns) - left - 1), str(why)[:60])
+            t.add_row(*names, *["-"] * (len(columns) - left - 1), escape(str(why)[:60]))
         else:
             t.add_row(*(cell(r) for _, cell in columns))
     return t
@@ -186,6 +188,11 @@ def rows_table(
 def key(name: str, spec: str = "", suffix: str = "") -> Callable[[Mapping[str, Any]], str]:
     """The cell of column ``name``: the row's value formatted with ``spec``."""
     return lambda r: f"{r[name]:{spec}}{suffix}"
+
+
+def share(name: str) -> Callable[[Mapping[str, Any]], str]:
+    """The cell of a fraction ``name`` (of stock's), in percent; a dash where there is none."""
+    return lambda r: "-" if r[name] is None else f"{100 * r[name]:.1f}%"
 
 
 def megabytes(name: str) -> Callable[[Mapping[str, Any]], str]:
@@ -207,6 +214,22 @@ def zoo_arguments(
             help=f"comma-separated; options as name:key=value;key=value{hint}",
         )
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+
+
+def timing_arguments(
+    parser: argparse.ArgumentParser, *, threads: int | None, warmup: int, steps: int | None
+) -> None:
+    """``--device``, ``--threads``, ``--warmup`` and ``--steps``: the arguments of a tool that
+    times training steps (``threads`` None: torch's own count)."""
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available)")
+    threads_default = "torch's" if threads is None else str(threads)
+    parser.add_argument(
+        "--threads", type=int, default=threads, help=f"CPU threads (default: {threads_default})"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=warmup, help=f"untimed steps first (default: {warmup})"
+    )
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per method")
 
 
 def write_rows(path: str | None, rows: Any) -> None:

@@ -39,7 +39,17 @@ from torch import Tensor, nn
 
 from torchstash.testing.models import ZooEntry, zoo
 
-from .common import default_device, fmt, jsonable, key, num_threads, rows_table, split_names
+from .common import (
+    default_device,
+    fmt,
+    jsonable,
+    key,
+    num_threads,
+    rows_table,
+    share,
+    split_names,
+    timing_arguments,
+)
 from .compare_methods import CHECKPOINT, Attached, HeldCounter, Method, methods
 
 #: what the table measures by default: nothing compressed, the rewrites, the codes, and the
@@ -356,10 +366,9 @@ def speed_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
         ("x stock", lambda r: fmt(r["ratio"], ".2f", "x")),
         ("us/saved", lambda r: "-" if r["method"] == "stock" else fmt(r["us_per_saved"], ".1f")),
         ("engine us", lambda r: fmt(r["engine_us_per_saved"], ".1f")),
-        ("saved", lambda r: "-" if r["held_share"] is None else f"{100 * r['held_share']:.1f}%"),
+        ("saved", share("held_share")),
     ]
-    failed = [{**r, "error": escape(r["error"])} if r["error"] else r for r in rows]
-    return rows_table(title, columns, failed, failed="error")
+    return rows_table(title, columns, rows, failed="error")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -381,10 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"methods to time beside stock (default: {','.join(DEFAULT_METHODS)})",
     )
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads (default: 1)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per method")
-    p.add_argument("--warmup", type=int, default=20, help="untimed steps first (default: 20)")
+    timing_arguments(p, threads=1, warmup=20, steps=None)
     p.add_argument(
         "--profile",
         type=int,
