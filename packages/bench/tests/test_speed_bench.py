@@ -37,3 +37,16 @@ def test_the_command_writes_json(tmp_path: Path) -> None:
 
 def test_an_unknown_model_is_refused() -> None:
     assert speed.main(["--models", "nope"]) == 2
+
+
+def test_a_failed_row_shows_its_text_not_markup() -> None:
+    """An error quotes brackets (a shape, a type): the table prints them as they are."""
+    from rich.console import Console
+
+    from torchstash_bench.common import key, rows_table
+
+    columns = [("model", key("model")), ("method", key("method")), ("ms", key("ms"))]
+    rows = [{"model": "m", "method": "x", "ms": None, "error": "shape [bold]4[/bold] of [2, 3]"}]
+    console = Console(record=True, width=200)
+    console.print(rows_table("t", columns, rows, failed="error"))
+    assert "shape [bold]4[/bold] of [2, 3]" in console.export_text()
