@@ -174,3 +174,37 @@ def test_every_op_the_library_defines_has_a_fake_kernel() -> None:
     defined = re.findall(r'm\.def\(\s*"(\w+)\(', (root / "bindings" / "ops.cpp").read_text())
     assert defined and sorted(defined) == sorted(_meta.FAKES)
     assert all(callable(getattr(_meta, f"_{name}_fake", None)) for name in _meta.FAKES)
+
+
+UNCHECKED = {
+    "group_quantize": lambda a, **k: K.group_quantize(*a[:3], seed=a[3], stochastic=a[4], **k),
+    "group_dequantize": lambda a, **k: K.group_dequantize(*a, **k),
+    "row_group_quantize": lambda a, **k: K.row_group_quantize(*a[:4], seed=a[4], **k),
+}
+
+
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize("op", sorted(UNCHECKED))
+def test_an_unchecked_call_is_the_same_call_and_the_op_still_refuses(op: str) -> None:
+    """``checked=False`` (a codec's own calls, once per saved tensor) skips the dispatcher's
+    rules only: the results are the checked call's bit for bit, and a broken argument is
+    still refused, by the compiled op, by name."""
+    args = {
+        "group_quantize": (X, 4, 64, 7, True),
+        "group_dequantize": (PACKED, LO, STEP, 4, 64, X.numel(), torch.float32),
+        "row_group_quantize": (X, 64, 4, 64, 7),
+    }[op]
+    call = UNCHECKED[op]
+    for impl in ("kernel", "ref"):
+        want = call(args, impl=impl)
+        got = call(args, impl=impl, checked=False)
+        for a, b in zip(
+            want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)
+        ):
+            assert torch.equal(a, b)
+    broken = list(args)
+    broken[1 if op != "row_group_quantize" else 2] = 3  # bits=3 (the first's, the third's)
+    if op == "group_dequantize":
+        broken = [PACKED, LO, STEP, 3, 64, X.numel(), torch.float32]
+    with pytest.raises((ValueError, RuntimeError), match=r"\bbits\b"):
+        call(tuple(broken), impl="kernel", checked=False)

@@ -83,7 +83,7 @@ class GroupQuantizer(BaseCompressor):
         flat, inverse = memory_order(x)
         seed = self.seeds.next()
         codes, lo, step = group_quantize(
-            flat, bits, group_size, seed=seed, stochastic=self.stochastic
+            flat, bits, group_size, seed=seed, stochastic=self.stochastic, checked=False
         )
         if bits == 1 and bool(torch.signbit(step).any()):
             # A group holding NaN or Inf: at 1 bit every non-finite value would come back
@@ -91,7 +91,7 @@ class GroupQuantizer(BaseCompressor):
             # keeps NaN, +Inf and -Inf where they were. One host sync per 1-bit tensor.
             bits = 2
             codes, lo, step = group_quantize(
-                flat, bits, group_size, seed=seed, stochastic=self.stochastic
+                flat, bits, group_size, seed=seed, stochastic=self.stochastic, checked=False
             )
         packed = Packed.like(x, self.name, codes=codes, lo=lo, step=step)
         packed.meta.update(bits=bits, group_size=group_size, order=inverse)
@@ -101,7 +101,13 @@ class GroupQuantizer(BaseCompressor):
         """The record :meth:`compress` makes of ``center_rows(x, rows)``'s values, with the
         offsets and flags, from one kernel call (bit for bit the same)."""
         codes, lo, step, offsets, constant = row_group_quantize(
-            x, rows, bits, group_size, seed=self.seeds.next(), stochastic=self.stochastic
+            x,
+            rows,
+            bits,
+            group_size,
+            seed=self.seeds.next(),
+            stochastic=self.stochastic,
+            checked=False,
         )
         packed = Packed.like(
             x, self.name, codes=codes, lo=lo, step=step, offset=offsets, constant=constant
@@ -132,6 +138,8 @@ class GroupQuantizer(BaseCompressor):
         assert isinstance(step, torch.Tensor)
         bits, group_size = packed.meta["bits"], packed.meta["group_size"]
         assert isinstance(bits, int) and isinstance(group_size, int)
-        flat = group_dequantize(codes, lo, step, bits, group_size, packed.numel, packed.dtype)
+        flat = group_dequantize(
+            codes, lo, step, bits, group_size, packed.numel, packed.dtype, checked=False
+        )
         order = packed.meta.get("order")
         return restore(flat, packed.shape, order if isinstance(order, tuple) else None)

@@ -59,19 +59,23 @@ def group_quantize(
     seed: int,
     stochastic: bool = True,
     impl: Impl = "auto",
+    checked: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(packed, lo, step)`` for float ``x`` (any shape and strides; ``x.contiguous()`` order).
 
     ``packed``: 1-D uint8 of ``ceil(numel * bits / 8)`` bytes; ``lo``, ``step``: 1-D bfloat16
     of ``ceil(numel / group_size)`` entries, ``step`` negative for a group holding NaN/Inf.
     ``seed`` in [0, 2**64) picks the rounding uniforms; ``stochastic=False`` rounds to nearest.
+    ``checked=False`` leaves the arguments to the compiled op's own checks: for a codec that
+    built them itself, once per saved tensor (the checks here cost it microseconds).
     """
     op = "group_quantize"
-    check_bits(bits, op=op)
-    check_group_size(group_size, op=op)
-    check_float_tensor(x, "x", op=op)
-    check_u64(seed, "seed", op=op)
-    check_flag(stochastic, "stochastic", op=op)
+    if checked:
+        check_bits(bits, op=op)
+        check_group_size(group_size, op=op)
+        check_float_tensor(x, "x", op=op)
+        check_u64(seed, "seed", op=op)
+        check_flag(stochastic, "stochastic", op=op)
     if use_kernel(impl, x.device):
         packed, lo, step = torch.ops.torchstash.group_quantize(
             x, bits, group_size, as_int64(seed), stochastic
@@ -90,20 +94,23 @@ def group_dequantize(
     dtype: torch.dtype,
     *,
     impl: Impl = "auto",
+    checked: bool = True,
 ) -> torch.Tensor:
     """The 1-D ``dtype`` tensor of ``numel`` values that :func:`group_quantize` encoded.
 
     NaN and Inf come back where they were (at 1 bit every non-finite value is NaN).
+    ``checked=False``: as for :func:`group_quantize`, for the codec that made the codes.
     """
     op = "group_dequantize"
-    check_bits(bits, op=op)
-    check_group_size(group_size, op=op)
-    check_numel(numel, op=op)
-    check_packed(packed, bits, numel, op=op)
-    groups = num_groups(numel, group_size)
-    _check_group_params(lo, "lo", groups, packed, op=op)
-    _check_group_params(step, "step", groups, packed, op=op)
-    check_float_dtype(dtype, "dtype", op=op)
+    if checked:
+        check_bits(bits, op=op)
+        check_group_size(group_size, op=op)
+        check_numel(numel, op=op)
+        check_packed(packed, bits, numel, op=op)
+        groups = num_groups(numel, group_size)
+        _check_group_params(lo, "lo", groups, packed, op=op)
+        _check_group_params(step, "step", groups, packed, op=op)
+        check_float_dtype(dtype, "dtype", op=op)
     if use_kernel(impl, packed.device):
         return torch.ops.torchstash.group_dequantize(
             packed, lo, step, bits, group_size, numel, dtype

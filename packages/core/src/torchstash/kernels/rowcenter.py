@@ -82,13 +82,15 @@ def row_group_quantize(
     seed: int,
     stochastic: bool = True,
     impl: Impl = "auto",
+    checked: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(packed, lo, step, offsets, constant)``: :func:`group_quantize` of
-    :func:`row_center`'s centered values (no scales), in one pass."""
+    :func:`row_center`'s centered values (no scales), in one pass (``checked``: as there)."""
     op = "row_group_quantize"
-    check_float_tensor(x, "x", op=op)
-    check_bits(bits, op=op)
-    check_u64(seed, "seed", op=op)
+    if checked:
+        check_float_tensor(x, "x", op=op)
+        check_bits(bits, op=op)
+        check_u64(seed, "seed", op=op)
     if use_kernel(impl, x.device):
         out = torch.ops.torchstash.row_group_quantize(
             x, run, bits, group_size, as_int64(seed), stochastic
