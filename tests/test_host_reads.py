@@ -30,10 +30,10 @@ def test_the_gauge_sees_each_kind_of_read_and_puts_torch_back() -> None:
     me = "test_host_reads:test_the_gauge_sees_each_kind_of_read_and_puts_torch_back"
     assert all(s[-1] == me for s in stacks), stacks
     assert (torch.Tensor.item, torch.Tensor.__bool__, torch.equal) == before
-    assert unexplained([["m:step", "groupwise:compress_as"], ["m:step", "mine:compress_as"]]) == [
+    assert unexplained([["m:step", "groupwise:encode"], ["m:step", "mine:compress_as"]]) == [
         "m:step > mine:compress_as"
     ]
-    assert set(KNOWN_HOST_READS) == {"pool:pack_pool_positions", "groupwise:compress_as"}
+    assert set(KNOWN_HOST_READS) == {"pool:pack_pool_positions", "groupwise:encode"}
 
 
 @pytest.mark.parametrize("model_name", sorted(MODELS))

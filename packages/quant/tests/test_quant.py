@@ -315,3 +315,45 @@ def test_int2_defaults_recompute_norm_and_gelu_outputs() -> None:
         bn(x).sum().backward()
     row = next(r for r in s.tally.rows.values() if r.module_type == "BatchNorm2d")
     assert row.derived == 0 and row.stored_bytes < 4 * 8 * 16 * 16 * 3 // 8
+
+
+#: saves of each kind :class:`~torchstash_quant.opaware.OpAware` codes its own way
+_KINDS = {
+    "values": (Site(module="fc", op="linear", role="input"), (8, 512)),
+    "rows": (Site(module="ln", op="layer_norm", role="input"), (8, 256)),
+    "channel_major": (Site(module="bn", op="batch_norm", role="input"), (16, 64, 2, 2)),
+    "sign": (Site(module="act", op="relu", role="output"), (8, 512)),
+    "silu": (Site(module="act", op="silu", role="input"), (8, 512)),
+    "mask": (Site(module="drop", op="dropout", role="output"), (8, 512)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_KINDS))
+@pytest.mark.parametrize(
+    "strategy", ["quant.int8", "quant.int4", "quant.int2", "quant.int1", "quant.fp8", "quant.mesa"]
+)
+def test_a_record_says_which_code_decodes_it(strategy: str, kind: str) -> None:
+    """A record names its decoder (:data:`~torchstash_quant.opaware.DECODERS`), or is its
+    value codec's own: another strategy's compressor decodes a group code as its maker
+    does, and the encoder a replayed save calls codes as ``compress`` does."""
+    from torchstash_quant.opaware import CENTERED, DECODERS
+
+    site, shape = _KINDS[kind]
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    if kind == "mask":
+        x = (torch.rand(shape) > 0.3).float() / 0.7
+    options = {"seed": 5} if strategy.startswith("quant.int") else {}  # fp8 rounds to nearest
+    maker = ts.registry.REGISTRY.get(strategy).create(**options)
+    twin = ts.registry.REGISTRY.get(strategy).create(**options)
+    packed = maker.compress(x, site)
+    assert packed.codec in DECODERS or packed.codec in (CENTERED, maker.values.name), packed.codec
+    again = twin.encoder(x, site)(x)  # the same seed, decided once
+    assert again.codec == packed.codec and again.meta == packed.meta
+    for key, value in packed.tensors.items():
+        torch.testing.assert_close(again.tensors[key], value, rtol=0, atol=0)
+    y = maker.decompress(packed)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    if packed.codec in DECODERS:  # the record alone decides: any quant compressor decodes it
+        other = ts.registry.REGISTRY.get("quant.int2").create()
+        torch.testing.assert_close(other.decompress(packed), y, rtol=0, atol=0)

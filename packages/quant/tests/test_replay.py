@@ -17,6 +17,7 @@ from torchstash.engine import Engine
 from torchstash.engine.replay import Replayer
 from torchstash.testing.replay import Tracked, tally_rows
 from torchstash.testing.steps import Switched, assert_same_grads, grads
+from torchstash_quant.opaware import OpAware
 from torchstash_quant.strategies import auto
 
 #: strategies whose codes on a conv-BN-ReLU net all replay (at 4 bits and up, each
@@ -343,3 +344,66 @@ def test_a_recomputed_gelu_replays_only_with_its_approximation() -> None:
             m[1].approximate = "tanh"
         assert close_to(grads(ours, x), grads(stock, x), 0.02)
         assert replayer.missed == 1
+
+
+class _Block(nn.Module):
+    """A pre-norm MLP block with a SiLU and a dropout that drops: LayerNorm inputs in
+    row-aligned centered groups, the SiLU's input as values, a dropout's 1-bit mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(64)
+        self.up = nn.Linear(64, 128)
+        self.down = nn.Linear(128, 64)
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(nn.functional.silu(self.up(self.norm(x))))
+        return (x + self.down(h)).sum(-1)
+
+
+def _block() -> nn.Module:
+    return nn.Sequential(_Block())  # a region is a call below the model's own
+
+
+@pytest.mark.parametrize("strategy", [*REPLAYING, "quant.int1"])
+@pytest.mark.parametrize("build", [cnn, _block], ids=["cnn", "block"])
+def test_a_replayed_code_is_its_encoder_s_and_never_decided_again(
+    strategy: str, build: Callable[[], nn.Module]
+) -> None:
+    """A replayed save calls the encoder its compressor gave on the first replay (the
+    decisions about the tensor settled once): the replayed steps have the full path's
+    gradients bit for bit, on the CNN with the compressor's ``compress`` refused from then
+    on, and each value code calls the kernel's codec directly."""
+    torch.manual_seed(3)  # the dropout's masks: the same for both copies at each step
+    full, ours, a, b = twins(strategy, build)
+    x = torch.randn(4, 3, 16, 16) if build is cnn else torch.randn(8, 16, 64)
+    try:
+        for step in range(5):
+            torch.manual_seed(step)
+            want = grads(full, x)
+            torch.manual_seed(step)
+            with pytest.MonkeyPatch.context() as patch:
+                trace = b.engine.replayer.trace
+                if step >= 3 and trace is not None and not trace.regions:
+                    # two recordings and a first replay have made the encoders (a region's
+                    # saves take the full path: :mod:`torchstash.engine.regions`)
+                    patch.setattr(OpAware, "compress", _refused)
+                got = grads(ours, x)
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, rtol=0, atol=0)
+        trace = b.engine.replayer.trace
+        assert trace is not None and b.engine.replayer.replayed == 3
+        assert build is not cnn or not trace.regions  # where compress was refused
+        codes = [m for m in trace.moves if m.kind == "code"]
+        assert codes and all(m.full or m.encode is not None for m in codes)
+        if strategy.startswith("quant.int"):
+            kinds = {type(m.encode).__name__ for m in codes}
+            assert "GroupEncoder" in kinds, kinds
+    finally:
+        a.remove()
+        b.remove()
+
+
+def _refused(self: object, x: torch.Tensor, site: object) -> None:
+    raise AssertionError("a replayed save decided its code again")

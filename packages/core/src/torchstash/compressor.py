@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -19,6 +20,10 @@ class _AsIs:
 #: What a factory returns to store saved tensors as they are (``none``, ``quant.L0``). A
 #: factory returning None is an error: that is most often a missing ``return``.
 AS_IS: Any = _AsIs()
+
+
+#: One tensor's code, everything about it decided but the tensor (see :class:`Compressor`)
+Encoder = Callable[[torch.Tensor], "Packed | torch.Tensor"]
 
 
 @runtime_checkable
@@ -41,7 +46,10 @@ class Compressor(Protocol):
     ``compress`` with the site less its call (:mod:`torchstash.engine.replay`). A code that
     reads plain values of the call (a max pool's geometry) and checks its own result defines
     ``recall(x, site) -> object``: asked while the call runs, its answer comes back on each
-    replayed save as ``site.recalled``. One whose
+    replayed save as ``site.recalled``. A replayed save calls ``encoder(x, site)``'s answer
+    where a compressor has one: ``compress(x, site)`` as a call of the tensor alone, with
+    what it decides from the site, shape, dtype and layout (all the same on a replayed save)
+    decided once. One whose
     widths change now and then (an allocation) also defines ``replays_next() -> bool``: False
     sends the next forward down the full path and records it anew.
     """
@@ -145,6 +153,29 @@ class Composed:
 
     def __repr__(self) -> str:
         return f"<Composed {self.name}>"
+
+
+class AtSite:
+    """``compress(x, site)`` at one site, as a call of ``x`` alone (a compressor's encoder
+    where it settles nothing beforehand)."""
+
+    __slots__ = ("compress", "site")
+
+    def __init__(self, compress: Callable[[torch.Tensor, Site], Packed | torch.Tensor], site: Site):
+        self.compress, self.site = compress, site
+
+    def __call__(self, x: torch.Tensor) -> Packed | torch.Tensor:
+        return self.compress(x, self.site)
+
+
+def encoder_of(compressor: Compressor, x: torch.Tensor, site: Site) -> Encoder:
+    """What a replayed save of ``x``'s site, shape, dtype and layout calls to code a tensor
+    as ``compressor.compress(x, site)`` does: its ``encoder(x, site)``, else its compress
+    at the site."""
+    told = getattr(compressor, "encoder", None)
+    if told is not None:
+        return told(x, site)
+    return AtSite(compressor.compress, site)
 
 
 def replays_at(compressor: Compressor, x: torch.Tensor, site: Site) -> bool:

@@ -44,7 +44,9 @@ Llama and ViT: 1.04 and 1.05 times, from 1.13 and 1.15).
 
 from __future__ import annotations
 
+import functools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -59,7 +61,7 @@ from ._options import BITS, check_group_size
 from .allocation import Allocation, Need, allocate
 from .centered import center_rows
 from .groupcode import OWN, GroupCode
-from .groupwise import GroupQuantizer
+from .groupwise import GroupQuantizer, with_offsets
 from .rows import PLANE_NORM_OPS, ROW_NORM_OPS
 
 CONTRACTION_OPS = frozenset({"linear", "conv", "matmul"})
@@ -342,19 +344,18 @@ class AutoQuantizer(BaseCompressor):
             centered, offsets, constant, _ = center_rows(x, rows)
             packed = self.codec.compress_as(centered, site, GroupCode(width, group_size))
             self._measure(centered, site, packed, width, group_size is not None)
-            packed.tensors.update(offset=offsets, constant=constant)
-            packed.dtype = x.dtype
-            return packed
+            return with_offsets(packed, x, offsets, constant)
         packed = self.codec.compress_as(x, site, GroupCode(width, group_size, rows))
         if measuring and x.numel() > 0:
             self._measure(x, site, packed, width, group_size is not None)
         return packed
 
+    def encoder_as(self, site: Site, code: GroupCode) -> Callable[[torch.Tensor], Packed]:
+        """:meth:`compress_as` at ``site``: the width is the allocation's at each call."""
+        return functools.partial(self.compress_as, site=site, code=code)
+
     def decompress(self, packed: Packed) -> torch.Tensor:
         return self.codec.decompress(packed)
-
-    def decompress_rows(self, packed: Packed, shape: torch.Size) -> torch.Tensor:
-        return self.codec.decompress_rows(packed, shape)
 
     # -- measurement ---------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ what was used, so the decoder needs nothing but the record.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -46,4 +47,7 @@ class GroupCodec(Compressor, Protocol):
 
     def compress_as(self, x: torch.Tensor, site: Site, code: GroupCode) -> Packed: ...
 
-    def decompress_rows(self, packed: Packed, shape: torch.Size) -> torch.Tensor: ...
+    def encoder_as(self, site: Site, code: GroupCode) -> Callable[[torch.Tensor], Packed]:
+        """``compress_as(x, site, code)`` as a call of ``x`` alone, whatever it could settle
+        beforehand settled (a replayed save calls it)."""
+        ...

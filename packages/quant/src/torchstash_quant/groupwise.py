@@ -26,13 +26,18 @@ from torchstash.site import Site
 from ._dtypes import dtype_reasons
 from ._options import check_bits, check_group_size
 from .centered import center_rows
-from .groupcode import OWN, GroupCode
+from .groupcode import GroupCode
+
+#: what a group code's record is called: its decoder's name (:data:`~.opaware.DECODERS`)
+GROUP = "quant.group"
+#: a group code of rows less their offsets (:mod:`.centered`), made in one kernel call
+GROUP_ROWS = "quant.group_rows"
 
 
 class GroupQuantizer(BaseCompressor):
     """A :class:`~.groupcode.GroupCodec`: :meth:`compress_as` codes a tensor at another width,
     group size or with its rows centered (:mod:`.centered`, one kernel call, undone by
-    :meth:`decompress_rows`)."""
+    :func:`decode_rows`); :meth:`encoder_as` settles that once for a replayed save."""
 
     lossless = False
     #: where no group size fits a normalization's rows, its groups span rows with one step:
@@ -60,7 +65,7 @@ class GroupQuantizer(BaseCompressor):
         return dtype_reasons(self, self.name, x.dtype)
 
     def compress(self, x: torch.Tensor, site: Site) -> Packed:
-        return self.compress_as(x, site, OWN)
+        return self.encode(x, self.bits, self.group_size, None)
 
     def compress_as(self, x: torch.Tensor, site: Site, code: GroupCode) -> Packed:
         """``code``'s width and group size override the codec's own for this tensor (mixed
@@ -69,17 +74,23 @@ class GroupQuantizer(BaseCompressor):
         and constant flags in the record too: one kernel call
         (:func:`~torchstash.kernels.row_group_quantize`) where two wrote and read the
         centered values."""
-        bits = code.bits or self.bits
-        group_size = code.group_size or self.group_size
-        rows = code.rows
+        return self.encode(x, code.bits or self.bits, code.group_size or self.group_size, code.rows)
+
+    def encoder_as(self, site: Site, code: GroupCode) -> GroupEncoder:
+        """:meth:`compress_as` with ``code`` settled: what a replayed save calls (its code
+        depends on nothing but the tensor)."""
+        return GroupEncoder(
+            self, code.bits or self.bits, code.group_size or self.group_size, code.rows
+        )
+
+    def encode(self, x: torch.Tensor, bits: int, group_size: int, rows: int | None) -> Packed:
+        """``x`` coded at ``bits`` in groups of ``group_size``, less each ``rows``-element
+        row's offset where ``rows`` is set (see :meth:`compress_as`)."""
         if rows is not None and bits > 1:
             return self._compress_rows(x, rows, bits, group_size)
         if rows is not None:  # 1 bit may go to 2 (below): centered values first
             centered, offsets, constant, _ = center_rows(x, rows)
-            packed = self.compress_as(centered, site, GroupCode(bits, group_size))
-            packed.tensors.update(offset=offsets, constant=constant)
-            packed.dtype = x.dtype
-            return packed
+            return with_offsets(self.encode(centered, bits, group_size, None), x, offsets, constant)
         flat, inverse = memory_order(x)
         seed = self.seeds.next()
         codes, lo, step = group_quantize(
@@ -93,7 +104,7 @@ class GroupQuantizer(BaseCompressor):
             codes, lo, step = group_quantize(
                 flat, bits, group_size, seed=seed, stochastic=self.stochastic, checked=False
             )
-        packed = Packed.like(x, self.name, codes=codes, lo=lo, step=step)
+        packed = Packed(GROUP, x.shape, x.dtype, x.device, {"codes": codes, "lo": lo, "step": step})
         packed.meta.update(bits=bits, group_size=group_size, order=inverse)
         return packed
 
@@ -109,37 +120,67 @@ class GroupQuantizer(BaseCompressor):
             stochastic=self.stochastic,
             checked=False,
         )
-        packed = Packed.like(
-            x, self.name, codes=codes, lo=lo, step=step, offset=offsets, constant=constant
-        )
+        tensors = {"codes": codes, "lo": lo, "step": step, "offset": offsets, "constant": constant}
+        packed = Packed(GROUP_ROWS, x.shape, x.dtype, x.device, tensors)
         packed.meta.update(bits=bits, group_size=group_size, order=None)
         return packed
 
-    def decompress_rows(self, packed: Packed, shape: torch.Size) -> torch.Tensor:
-        """A ``rows=`` record decoded and restored (offsets put back: :mod:`.centered`) in
-        one kernel call, shaped ``shape`` (the stored order), in the record's dtype."""
-        names = ("codes", "lo", "step", "offset", "constant")
-        codes, lo, step, offsets, constant = (packed.tensors[k] for k in names)
-        assert isinstance(codes, torch.Tensor) and isinstance(lo, torch.Tensor)
-        assert isinstance(step, torch.Tensor) and isinstance(offsets, torch.Tensor)
-        assert isinstance(constant, torch.Tensor)
-        bits, group_size = packed.meta["bits"], packed.meta["group_size"]
-        assert isinstance(bits, int) and isinstance(group_size, int)
-        n = packed.numel
-        run = n // max(offsets.numel(), 1)
-        flat = row_group_dequantize(
-            codes, lo, step, offsets, constant, bits, group_size, run, n, packed.dtype
-        )
-        return flat.view(shape)
-
     def decompress(self, packed: Packed) -> torch.Tensor:
-        codes, lo, step = (packed.tensors[k] for k in ("codes", "lo", "step"))
-        assert isinstance(codes, torch.Tensor) and isinstance(lo, torch.Tensor)
-        assert isinstance(step, torch.Tensor)
-        bits, group_size = packed.meta["bits"], packed.meta["group_size"]
-        assert isinstance(bits, int) and isinstance(group_size, int)
-        flat = group_dequantize(
-            codes, lo, step, bits, group_size, packed.numel, packed.dtype, checked=False
-        )
-        order = packed.meta.get("order")
-        return restore(flat, packed.shape, order if isinstance(order, tuple) else None)
+        return decode_group(packed)
+
+
+class GroupEncoder:
+    """One tensor's group code with its settings decided (:meth:`GroupQuantizer.encoder_as`):
+    a call straight to the kernel, where :meth:`~GroupQuantizer.compress_as` reads the
+    settings again each time."""
+
+    __slots__ = ("bits", "codec", "group_size", "rows")
+
+    def __init__(self, codec: GroupQuantizer, bits: int, group_size: int, rows: int | None) -> None:
+        self.codec, self.bits, self.group_size, self.rows = codec, bits, group_size, rows
+
+    def __call__(self, x: torch.Tensor) -> Packed:
+        return self.codec.encode(x, self.bits, self.group_size, self.rows)
+
+
+def with_offsets(
+    packed: Packed, x: torch.Tensor, offsets: torch.Tensor, constant: torch.Tensor
+) -> Packed:
+    """The group code of ``x``'s centered values (``packed``) as a record of ``x`` less its
+    rows' offsets, which :func:`decode_rows` decodes as it decodes the fused kernel's."""
+    packed.tensors.update(offset=offsets, constant=constant)
+    packed.codec, packed.dtype = GROUP_ROWS, x.dtype
+    return packed
+
+
+def decode_rows(packed: Packed, shape: torch.Size) -> torch.Tensor:
+    """A ``rows=`` record decoded and restored (offsets put back: :mod:`.centered`) in
+    one kernel call, shaped ``shape`` (the stored order), in the record's dtype."""
+    names = ("codes", "lo", "step", "offset", "constant")
+    codes, lo, step, offsets, constant = (packed.tensors[k] for k in names)
+    assert isinstance(codes, torch.Tensor) and isinstance(lo, torch.Tensor)
+    assert isinstance(step, torch.Tensor) and isinstance(offsets, torch.Tensor)
+    assert isinstance(constant, torch.Tensor)
+    bits, group_size = packed.meta["bits"], packed.meta["group_size"]
+    assert isinstance(bits, int) and isinstance(group_size, int)
+    n = packed.numel
+    run = n // max(offsets.numel(), 1)
+    flat = row_group_dequantize(
+        codes, lo, step, offsets, constant, bits, group_size, run, n, packed.dtype
+    )
+    return flat.view(shape)
+
+
+def decode_group(packed: Packed) -> torch.Tensor:
+    """A group code's tensor (:meth:`GroupQuantizer.encode`, rows not centered), back in
+    its shape and strides: the record says all the decoder needs."""
+    codes, lo, step = (packed.tensors[k] for k in ("codes", "lo", "step"))
+    assert isinstance(codes, torch.Tensor) and isinstance(lo, torch.Tensor)
+    assert isinstance(step, torch.Tensor)
+    bits, group_size = packed.meta["bits"], packed.meta["group_size"]
+    assert isinstance(bits, int) and isinstance(group_size, int)
+    flat = group_dequantize(
+        codes, lo, step, bits, group_size, packed.numel, packed.dtype, checked=False
+    )
+    order = packed.meta.get("order")
+    return restore(flat, packed.shape, order if isinstance(order, tuple) else None)

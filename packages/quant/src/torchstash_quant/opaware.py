@@ -27,12 +27,20 @@ the op's output from them when the next op saves it (:mod:`torchstash.derive`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
-from torchstash.compressor import BaseCompressor, Compressor, replays_at, replays_next
+from torchstash.compressor import (
+    AtSite,
+    BaseCompressor,
+    Compressor,
+    Encoder,
+    replays_at,
+    replays_next,
+)
 from torchstash.packed import Packed
 from torchstash.site import Site
 
@@ -41,7 +49,7 @@ from .centered import MIN_CENTERED_ROW, center_rows, uncenter
 from .derivs import ACT_OPS, DERIV_OPS, DerivCoder, unpack_derivative
 from .derivs import CODEC as DERIV_CODEC
 from .groupcode import GroupCode, GroupCodec
-from .groupwise import GroupQuantizer
+from .groupwise import GROUP, GROUP_ROWS, GroupQuantizer, decode_group, decode_rows
 from .masks import (
     DROPOUT_OPS,
     SIGN_OPS,
@@ -74,28 +82,76 @@ SDPA_REASON = (
 SIGN_CODEC = "quant.sign"
 
 
-def _pool_positions(x: torch.Tensor, site: Site) -> Packed | torch.Tensor:
-    """A max pool's indices as in-window positions (:mod:`.pool`), where its geometry is known."""
+def _as_is(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _pool_encoder(site: Site) -> Encoder:
+    """A max pool's indices as in-window positions (:mod:`.pool`), where its geometry is
+    known; its code checks that the positions give the indices back (else: as they are)."""
     geometry = site.recalled or pool_geometry(site.opcall.args, dict(site.opcall.kwargs))
-    packed = None if geometry is None else pack_pool_positions(x, geometry)
-    return x if packed is None else packed
+    if geometry is None:
+        return _as_is
+
+    def encode(x: torch.Tensor) -> Packed | torch.Tensor:
+        packed = pack_pool_positions(x, geometry)
+        return x if packed is None else packed
+
+    return encode
 
 
-#: The exact codes, by the kind of save :meth:`OpAware.variant` finds: what each packs.
-EXACT_ENCODERS: dict[str, Callable[[torch.Tensor, Site], Packed | torch.Tensor]] = {
-    "bool": lambda x, site: pack_bool(x),
-    "sign": lambda x, site: pack_signs(x, SIGN_CODEC),
-    "dropmask": lambda x, site: pack_scaled_mask(x),
-    "pool": _pool_positions,
+#: The exact codes, by the kind of save :meth:`OpAware.variant` finds: each one's encoder at
+#: a site.
+EXACT_ENCODERS: dict[str, Callable[[Site], Encoder]] = {
+    "bool": lambda site: pack_bool,
+    "sign": lambda site: functools.partial(pack_signs, codec=SIGN_CODEC),
+    "dropmask": lambda site: pack_scaled_mask,
+    "pool": _pool_encoder,
 }
-#: What decodes each code that is not a value code, by the codec name its record carries.
-EXACT_DECODERS: dict[str, Callable[[Packed], torch.Tensor]] = {
+
+
+def _decode_rows(packed: Packed) -> torch.Tensor:
+    """A record of rows less their offsets (:func:`~.groupwise.decode_rows`), turned back to
+    ``(N, C, ...)`` where it was stored channel-major (a BatchNorm channel per row)."""
+    if not packed.meta.get("channel_major"):
+        return decode_rows(packed, packed.shape)
+    n, c, *rest = packed.shape
+    return decode_rows(packed, torch.Size([c, n, *rest])).transpose(0, 1)
+
+
+#: What decodes each record, by the codec name it carries: what was packed says which code
+#: decodes it. A record named otherwise is the value codec's own (Mesa's, fp8's).
+DECODERS: dict[str, Callable[[Packed], torch.Tensor]] = {
+    GROUP: decode_group,
+    GROUP_ROWS: _decode_rows,
     "quant.bool": unpack_bool,
     SIGN_CODEC: unpack_signs,
     "quant.scaled_mask": unpack_scaled_mask,
     DERIV_CODEC: unpack_derivative,
     POOL_CODEC: unpack_pool_positions,
 }
+
+#: a record of a normalization input centered here and coded by a codec that does not center
+#: (its own name in ``meta["inner"]``): :meth:`OpAware._decompress_centered` decodes it
+CENTERED = "quant.centered"
+
+
+class ChannelMajor:
+    """A BatchNorm input's code taken as ``(C, N, ...)``: on small maps a channel over the
+    batch is a row long enough to code relative to its offset (:func:`.rows.channel_major_run`)."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner: Encoder) -> None:
+        self.inner = inner
+
+    def __call__(self, x: torch.Tensor) -> Packed | torch.Tensor:
+        packed = self.inner(x.transpose(0, 1).contiguous())
+        if not isinstance(packed, Packed):
+            return x
+        packed.shape = x.shape
+        packed.meta["channel_major"] = True
+        return packed
 
 
 #: Width of the operands of attention's scores (``q @ k.T``). The engine recomputes the
@@ -336,41 +392,43 @@ class OpAware(BaseCompressor):
         return self.values.unsupported(x, site)
 
     def compress(self, x: torch.Tensor, site: Site) -> Packed | torch.Tensor:
+        return self.encoder(x, site)(x)
+
+    def encoder(self, x: torch.Tensor, site: Site) -> Encoder:
+        """The code ``x`` gets at ``site``, as a call of the tensor alone: a replayed save of
+        the same site, shape, dtype and layout calls it instead of deciding again."""
         kind = self.variant(x, site)
         exact = EXACT_ENCODERS.get(kind)
         if exact is not None:
-            return exact(x, site)
+            return exact(site)
         if kind == "deriv":
             assert self.derivs is not None
-            return self.derivs.pack(x, site)
+            return AtSite(self.derivs.pack, site)
         if kind == "norm":
             layout = self._centered_layout(x, site)
             assert layout is not None  # unsupported() declined it otherwise
             channel_major, run = layout
-            if channel_major:  # (N, C, ...) as (C, N, ...): a BatchNorm channel per row
-                packed = self._compress_centered(x.transpose(0, 1).contiguous(), site, run)
-                if isinstance(packed, Packed):
-                    packed.shape = x.shape
-                    packed.meta["channel_major"] = True
-                    return packed
-                return x
-            return self._compress_centered(x, site, run)
+            inner = self._centered_encoder(site, run)
+            return ChannelMajor(inner) if channel_major else inner
         rows = self._row_group_size(x)
         if kind == "scores":
-            packed = self.scores.compress_as(x, site, GroupCode(group_size=rows))
-            packed.meta["scores"] = True
-            told = getattr(self.values, "fixed_width", None)
-            if told is not None:  # a budget (quant.auto's) counts these bits too
-                told(x, site, getattr(self.scores, "bits", SCORES_BITS))
-            return packed
+            return functools.partial(self._compress_scores, site=site, rows=rows)
         if self.group is None:  # variant() gives "attn" and "act" only to a group codec
-            return self.values.compress(x, site)
+            return AtSite(self.values.compress, site)
         if attention_part(x, site) == "map":
             # a map stored after all (no recipe reached it): not below q's and k's width
             widest = max(SCORES_BITS, self.attn_bits or 0)
-            return self.group.compress_as(x, site, GroupCode(widest, rows))
+            return self.group.encoder_as(site, GroupCode(widest, rows))
         bits = self.attn_bits if kind == "attn" else self.act_bits if kind == "act" else None
-        return self.group.compress_as(x, site, GroupCode(bits, rows))
+        return self.group.encoder_as(site, GroupCode(bits, rows))
+
+    def _compress_scores(self, x: torch.Tensor, site: Site, rows: int | None) -> Packed:
+        """An operand of attention's scores at :data:`SCORES_BITS`, rounded to nearest."""
+        packed = self.scores.compress_as(x, site, GroupCode(group_size=rows))
+        told = getattr(self.values, "fixed_width", None)
+        if told is not None:  # a budget (quant.auto's) counts these bits too
+            told(x, site, getattr(self.scores, "bits", SCORES_BITS))
+        return packed
 
     def _centered_layout(self, x: torch.Tensor, site: Site) -> tuple[bool, int] | None:
         """How a normalization input is laid out in rows that share a statistic: (stored
@@ -383,65 +441,58 @@ class OpAware(BaseCompressor):
             return True, run
         return None
 
-    def _compress_centered(self, x: torch.Tensor, site: Site, run: int) -> Packed | torch.Tensor:
+    def _centered_encoder(self, site: Site, run: int) -> Encoder:
         """A normalization input coded relative to each normalized row (:mod:`.centered`):
-        in row-aligned groups where the codec takes them, else by the ``norms`` codec or the
-        codec itself."""
+        in row-aligned groups where the codec takes them (one kernel call: the codec
+        centers), else centered here and coded by the ``norms`` codec or the codec itself."""
         aligned = self._aligned(run)
         if aligned is not None and self.group is not None:
-            code = GroupCode(self._stand_in_bits(site), aligned, run)
-            packed = self.group.compress_as(x, site, code)  # one kernel call: the codec centers
-            packed.meta["centered"] = True
-            packed.dtype = x.dtype
-            return packed
+            return self.group.encoder_as(site, GroupCode(self._stand_in_bits(site), aligned, run))
+        return functools.partial(self._compress_centered, site=site, run=run)
+
+    def _compress_centered(self, x: torch.Tensor, site: Site, run: int) -> Packed | torch.Tensor:
+        """``x`` less each row's offset (scaled to one range where the codec asks), coded by
+        the ``norms`` codec or the value codec; the offsets in the record."""
         codec = self.values if self.norms is None else self.norms
         scale = bool(getattr(codec, "scales_rows", False))
         centered, offsets, constant, scales = center_rows(x, run, scale)
-        if self.norms is not None:
-            packed = self.norms.compress(centered, site)
-            if isinstance(packed, Packed):
-                packed.meta["norm"] = True
-        else:
-            packed = self.values.compress(centered, site)
+        packed = codec.compress(centered, site)
         if not isinstance(packed, Packed):
             return x  # the codec declined the centered values: kept as is
         packed.tensors["offset"] = offsets
         packed.tensors["constant"] = constant
         if scales is not None:
             packed.tensors["row_scale"] = scales
-        packed.meta["centered"] = True
+        packed.meta["inner"] = packed.codec
+        packed.codec = CENTERED
         packed.dtype = x.dtype  # the codes hold float32 centered values
         return packed
 
     def decompress(self, packed: Packed) -> torch.Tensor:
-        if packed.meta.get("centered"):
+        decode = DECODERS.get(packed.codec)
+        if decode is not None:  # what was packed says which code decodes it
+            return decode(packed)
+        if packed.codec == CENTERED:
             return self._decompress_centered(packed)
-        exact = EXACT_DECODERS.get(packed.codec)
-        if exact is not None:  # what was packed says which code decodes it
-            return exact(packed)
-        if packed.meta.get("norm") and self.norms is not None:
-            return self.norms.decompress(packed)
-        if packed.meta.get("scores"):
-            return self.scores.decompress(packed)
         return self.values.decompress(packed)
 
     def _decompress_centered(self, packed: Packed) -> torch.Tensor:
-        """:meth:`_compress_centered` undone: the float32 centered values decoded, each
-        row's offset added back, and a channel-major tensor turned back to ``(N, C, ...)``;
-        by the value codec in one call where it centered the rows itself."""
+        """:meth:`_compress_centered` undone: the float32 centered values decoded by the
+        record's own codec, each row's offset added back, and a channel-major tensor turned
+        back to ``(N, C, ...)``."""
         shape, major = packed.shape, bool(packed.meta.get("channel_major"))
         if major:
             shape = torch.Size([shape[1], shape[0], *shape[2:]])
-        fused = "row_scale" not in packed.tensors and not packed.meta.get("norm")
-        if fused and self.group is not None and not packed.meta.get("scores"):
-            x = self.group.decompress_rows(packed, shape)
-            return x.transpose(0, 1) if major else x
         tensors = dict(packed.tensors)
         offsets, constant = tensors.pop("offset"), tensors.pop("constant")
         assert isinstance(offsets, torch.Tensor) and isinstance(constant, torch.Tensor)
         scales = tensors.pop("row_scale", None)
         assert scales is None or isinstance(scales, torch.Tensor)
-        meta = {k: v for k, v in packed.meta.items() if k not in ("centered", "channel_major")}
-        inner = replace(packed, shape=shape, dtype=torch.float32, tensors=tensors, meta=meta)
-        x = uncenter(self.decompress(inner), offsets, constant, scales, packed.dtype)
+        meta = {k: v for k, v in packed.meta.items() if k not in ("inner", "channel_major")}
+        inner = packed.meta["inner"]
+        assert isinstance(inner, str)
+        record = replace(
+            packed, codec=inner, shape=shape, dtype=torch.float32, tensors=tensors, meta=meta
+        )
+        x = uncenter(self.decompress(record), offsets, constant, scales, packed.dtype)
         return x.transpose(0, 1) if major else x

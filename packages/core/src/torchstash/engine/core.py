@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..compressor import Compressor, replays_at
+from ..compressor import Compressor, encoder_of, replays_at
 from ..derive import SDPA, Recipe, may_replay_attention, save_kind
 from ..layout import dense_strides, with_layout
 from ..optrack import STATE as OP_STATE
@@ -336,14 +336,23 @@ class Engine(Scoping, Recomputation):
         compressor declined it this time (a guard miss)."""
         compressor, site = move.compressor, move.site
         assert compressor is not None and site is not None
-        out = self._compress(compressor, t, site)
+        out = self._compress(compressor, t, site, move)
         return out if isinstance(out, Packed) else None
 
-    def _compress(self, compressor: Compressor, t: torch.Tensor, site: Site) -> Any:
+    def _compress(
+        self, compressor: Compressor, t: torch.Tensor, site: Site, move: Move | None = None
+    ) -> Any:
         """``compressor.compress``, its failure an error that names the tensor, the site and
-        the policy line."""
+        the policy line. A replayed ``move`` calls its encoder (made on its first replay:
+        :func:`~torchstash.compressor.encoder_of`)."""
+        x = t.detach()
         try:
-            return compressor.compress(t.detach(), site)
+            if move is None:
+                return compressor.compress(x, site)
+            encode = move.encode
+            if encode is None:
+                encode = move.encode = encoder_of(compressor, x, site)
+            return encode(x)
         except KEEP_TYPE as e:
             e.add_note(messages.compress_note(self.names, compressor, site, t))
             raise

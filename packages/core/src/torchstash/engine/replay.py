@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ..compressor import Compressor, replays_next
+from ..compressor import Compressor, Encoder, replays_next
 from ..packed import Packed, storage_base
 from ..site import Site
 from .entries import Entry, Graph, Recomputed, Saved, dedupe_key
@@ -136,6 +136,9 @@ class Move:
     #: (:func:`.regions.decided`)
     full: bool = False
     decided: tuple[Any, ...] = ()
+    #: a CODE move's encoder (:func:`~torchstash.compressor.encoder_of`), made on its first
+    #: replayed save
+    encode: Encoder | None = None
 
     def signature(self) -> tuple[Any, ...]:
         owner = self.owner() if self.owner is not None else None

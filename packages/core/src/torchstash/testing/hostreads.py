@@ -27,7 +27,7 @@ __all__ = ["KNOWN_HOST_READS", "caller_frames", "host_reads", "unexplained"]
 #: owed: docs/gpu.md).
 KNOWN_HOST_READS = {
     "pool:pack_pool_positions": "quant's max-pool positions are checked to give the indices back",
-    "groupwise:compress_as": "quant.int1 reads whether a group holds NaN or Inf (then 2 bits)",
+    "groupwise:encode": "quant.int1 reads whether a group holds NaN or Inf (then 2 bits)",
 }
 
 #: Each host read that is patched: the tensor methods, then torch's functions
