@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata as metadata
 import re
 import sys
@@ -12,6 +13,7 @@ from typing import Any, Literal
 import pytest
 
 import torchstash
+from torchstash.declare import StrategyTable, configured
 from torchstash.errors import (
     DuplicateStrategyError,
     OptionError,
@@ -501,3 +503,47 @@ def test_a_strategy_table_takes_the_summary_from_the_docstring() -> None:
     assert table.declared[0].summary == "Keeps what it is given"
     with pytest.raises(TypeError, match="'t.bare': give summary= or a docstring"):
         table.strategy("t.bare", lossless=True)(lambda: None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TopkConfig:
+    """Keep the k largest magnitudes.
+
+    More text, not in the summary."""
+
+    k: int = 4
+    exact: bool = False
+    mode: Literal["fast", "exact"] = "fast"
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise OptionError(f"topk: option k={self.k!r} must be at least 1")
+
+
+def test_a_config_type_and_its_handler_make_a_strategy() -> None:
+    """:func:`torchstash.declare.configured`: the config's fields are the strategy's options
+    (listed, checked against their string annotations in the config's module, positional
+    ones too), its docstring the summary, its own checks run, and the handler builds."""
+    built: list[_TopkConfig] = []
+
+    def build(config: _TopkConfig) -> object:
+        built.append(config)
+        return torchstash.AS_IS
+
+    table = StrategyTable()
+    table.strategy("topk", lossless=False)(configured(_TopkConfig, build))
+    reg = Registry(discover=lambda: [])
+    table.register(reg)
+    s = reg.get("topk")
+    assert s.options() == ["k", "exact", "mode"]
+    assert s.summary == "Keep the k largest magnitudes"
+    s.create(k=2, mode="exact")
+    assert built == [_TopkConfig(2, False, "exact")]
+    with pytest.raises(OptionError, match=r"'topk': option exact='yes' must be True or False"):
+        s.create(exact="yes")
+    with pytest.raises(OptionError, match=r"'topk': option mode='slow' must be 'fast' or 'exact'"):
+        s.create(mode="slow")
+    with pytest.raises(OptionError, match=r"topk: option k=0 must be at least 1"):
+        s.create(k=0)
+    with pytest.raises(OptionError, match="It accepts: k, exact, mode"):
+        s.create(kk=1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -357,3 +359,31 @@ def test_a_record_says_which_code_decodes_it(strategy: str, kind: str) -> None:
     if packed.codec in DECODERS:  # the record alone decides: any quant compressor decodes it
         other = ts.registry.REGISTRY.get("quant.int2").create()
         torch.testing.assert_close(other.decompress(packed), y, rtol=0, atol=0)
+
+
+def test_quant_options_are_a_typed_config_checked_once_made() -> None:
+    """``quant``'s options are :class:`QuantConfig`'s fields: a config is valid once made
+    (each error names its option), the fixed widths take every option but ``bits``, and
+    their values are checked against the config's annotations before anything is built."""
+    from torchstash_quant.strategies import AutoConfig, QuantConfig
+
+    assert QuantConfig(4).resolved("norm_bits", {4: 8}) == 8
+    for options, option in [
+        ({"bits": 3}, "bits=3"),
+        ({"group_size": 0}, "group_size=0"),
+        ({"norm_bits": "wide"}, "norm_bits='wide'"),
+        ({"norm_bits": 3}, "bits=3"),
+        ({"deriv_bits": 1}, "deriv_bits=1"),
+        ({"attn_bits": 5}, "attn_bits=5"),
+        ({"act_bits": "x"}, "act_bits='x'"),
+    ]:
+        with pytest.raises(OptionError, match=re.escape(option)):
+            QuantConfig(**options)  # type: ignore[arg-type]
+    with pytest.raises(OptionError, match=re.escape("deriv_bits=3")):
+        AutoConfig(deriv_bits=3)
+    int8 = ts.registry.REGISTRY.get("quant.int8")
+    assert "bits" not in int8.options() and "act_bits" in int8.options()
+    with pytest.raises(OptionError, match=r"option stochastic='no' must be True or False"):
+        int8.create(stochastic="no")
+    with pytest.raises(OptionError, match=r"option interval=2.5 must be an integer"):
+        ts.registry.REGISTRY.get("quant.auto").create(interval=2.5)

@@ -13,9 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["Declared", "Registering", "StrategyTable"]
+__all__ = ["Declared", "Registering", "StrategyTable", "configured"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+C = TypeVar("C")
 
 
 class Registering(Protocol):
@@ -77,6 +78,26 @@ class StrategyTable:
         """Register every declared strategy with ``registry``."""
         for d in self.declared:
             registry.register(**{f.name: getattr(d, f.name) for f in fields(d)})
+
+
+def configured(config: Callable[..., C], build: Callable[[C], Any]) -> Callable[..., Any]:
+    """A strategy's factory made of a typed config and its handler: its options are
+    ``config``'s parameters (a dataclass's fields, or a codec class's own), whose signature and
+    annotations the registry reads and checks, and ``build`` turns the config into the
+    compressor. The config's docstring is the strategy's; its annotations resolve in the
+    config's module."""
+
+    def factory(*args: Any, **options: Any) -> Any:
+        return build(config(*args, **options))
+
+    returns = inspect.signature(build).return_annotation
+    factory.__signature__ = inspect.signature(config).replace(  # type: ignore[attr-defined]
+        return_annotation=returns
+    )
+    factory.__doc__ = config.__doc__
+    factory.__wrapped__ = config  # type: ignore[attr-defined]
+    factory.__qualname__ = factory.__name__ = getattr(config, "__name__", "factory")
+    return factory
 
 
 def _first_line(factory: Callable[..., Any], name: str) -> str:

@@ -10,8 +10,10 @@ those strings itself, with a message that says which it takes.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import numbers
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -40,7 +42,7 @@ def _hints(factory: Callable[..., Any]) -> dict[str, Any]:
         params = inspect.signature(factory).parameters.values()
     except (TypeError, ValueError):
         return {}
-    scope = dict(getattr(inspect.unwrap(factory), "__globals__", {}))
+    scope = _scope(factory)
     out: dict[str, Any] = {}
     for p in params:
         ann = p.annotation
@@ -52,6 +54,20 @@ def _hints(factory: Callable[..., Any]) -> dict[str, Any]:
         if ann is not inspect.Parameter.empty:
             out[p.name] = ann
     return out
+
+
+def _scope(factory: Callable[..., Any]) -> dict[str, Any]:
+    """Where ``factory``'s string annotations resolve: its function's globals (through a
+    ``functools.partial``), or a class's module (a factory made of a config type wraps it:
+    :func:`~torchstash.declare.configured`)."""
+    target: Any = inspect.unwrap(factory)
+    while isinstance(target, functools.partial):
+        target = target.func
+    scope = getattr(target, "__globals__", None)
+    if scope is None:
+        module = sys.modules.get(getattr(target, "__module__", "") or "")
+        scope = vars(module) if module is not None else {}
+    return dict(scope)
 
 
 def _args(hint: Any) -> tuple[Any, ...]:

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from torchstash.compressor import Composed, Compressor
-from torchstash.declare import StrategyTable
+from torchstash.declare import StrategyTable, configured
 from torchstash.errors import OptionError
 from torchstash.offload import CpuOffload
 from torchstash.registry import AS_IS
 
-from ._options import check_attn_bits, check_deriv_bits
+from ._options import check_attn_bits, check_bits, check_deriv_bits, check_group_size
 from .auto import UNRANKED_BITS, AutoQuantizer
 from .derivs import DerivCoder
 from .fp8 import Fp8Quantizer
@@ -67,18 +67,8 @@ NORM_DEFAULT: dict[int, int | None] = {1: 4, 2: 8, 4: 8, 8: None}
 AUTO_START_NORM: dict[int, int | None] = {1: 4, 2: 4, 4: 8, 8: None}
 
 
-@STRATEGIES.strategy("quant", lossless=False, preset=True)
-def quant(
-    bits: int = 8,
-    group_size: int = 256,
-    stochastic: bool = True,
-    seed: int | None = None,
-    norm_bits: int | str | None = "auto",
-    deriv_bits: int | str | None = "auto",
-    attn_bits: int | str | None = "auto",
-    act_bits: int | str | None = "auto",
-    derive: bool = True,
-) -> OpAware:
+@dataclass(frozen=True)
+class QuantConfig:
     """Per-group stochastic quantization at bits=1/2/4/8 (default 8).
 
     Per-group quantization at ``bits`` (1, 2, 4 or 8), plus exact 1-bit ReLU and mask codes;
@@ -92,16 +82,57 @@ def quant(
     and GELU/SiLU inputs stored as values stand in for the ops' outputs: the next op's saved
     input is recomputed from them (:mod:`torchstash.derive`).
     """
-    name = f"quant.int{bits}"
+
+    bits: int = 8
+    group_size: int = 256
+    stochastic: bool = True
+    seed: int | None = None
+    norm_bits: int | str | None = "auto"
+    deriv_bits: int | str | None = "auto"
+    attn_bits: int | str | None = "auto"
+    act_bits: int | str | None = "auto"
+    derive: bool = True
+
+    def __post_init__(self) -> None:
+        """A config is valid once made: each option checked, its error naming it."""
+        name = self.name
+        check_bits(self.bits, name)
+        check_group_size(self.group_size, name)
+        if self.norm_bits not in ("auto", None) and not isinstance(self.norm_bits, int):
+            raise OptionError(
+                f"{name}: option norm_bits={self.norm_bits!r} must be 1, 2, 4, 8, 'auto' or None"
+            )
+        if self.norm_bits not in ("auto", None):
+            check_bits(self.norm_bits, name)
+        check_deriv_bits(self.deriv_bits, name, None)
+        for option in ("attn_bits", "act_bits"):
+            value = getattr(self, option)
+            if value != "auto":
+                check_attn_bits(value, name, option)
+
+    @property
+    def name(self) -> str:
+        return f"quant.int{self.bits}"
+
+    def resolved(self, option: str, defaults: dict[int, int | None]) -> int | None:
+        """An option's width, ``"auto"`` read from ``defaults`` at this config's ``bits``."""
+        value = getattr(self, option)
+        return defaults.get(self.bits) if value == "auto" else value
+
+
+def build_quant(config: QuantConfig) -> OpAware:
+    """:class:`QuantConfig`'s handler: the value codec and its op-aware placement."""
+    name = config.name
+    bits, group_size, stochastic, seed = (
+        config.bits,
+        config.group_size,
+        config.stochastic,
+        config.seed,
+    )
     values = GroupQuantizer(bits, group_size, stochastic, seed, name=name)
-    width = check_deriv_bits(deriv_bits, name, DERIV_DEFAULT.get(values.bits))
+    width = check_deriv_bits(config.deriv_bits, name, DERIV_DEFAULT.get(bits))
     derivs = None if width is None else DerivCoder(width, stochastic, seed)
-    if norm_bits == "auto":
-        norm_bits = NORM_DEFAULT.get(bits)
-    elif norm_bits is not None and not isinstance(norm_bits, int):
-        raise OptionError(
-            f"{name}: option norm_bits={norm_bits!r} must be 1, 2, 4, 8, 'auto' or None"
-        )
+    norm_bits = config.resolved("norm_bits", NORM_DEFAULT)
     norms = None
     if norm_bits is not None and norm_bits != bits:
         norms = GroupQuantizer(norm_bits, group_size, stochastic, seed, name=name)
@@ -109,52 +140,31 @@ def quant(
         values,
         norms,
         derivs,
-        check_attn_bits(ATTN_DEFAULT.get(values.bits) if attn_bits == "auto" else attn_bits, name),
-        check_attn_bits(
-            ACT_DEFAULT.get(values.bits) if act_bits == "auto" else act_bits, name, "act_bits"
-        ),
-        bool(derive),
+        config.resolved("attn_bits", ATTN_DEFAULT),
+        config.resolved("act_bits", ACT_DEFAULT),
+        bool(config.derive),
     )
 
 
-def _fixed(bits: int) -> Callable[..., OpAware]:
-    """``quant`` at ``bits``: every option of :func:`quant` but the width."""
-    return functools.partial(quant, bits)
-
-
-def _op_aware(codec: type[Compressor], summary: str) -> Callable[..., OpAware]:
-    """A strategy whose options are ``codec``'s own (its signature, which the registry reads
-    and checks), its codes placed per op by :class:`OpAware`."""
-
-    def factory(*args: Any, **options: Any) -> OpAware:
-        return OpAware(codec(*args, **options))
-
-    factory.__signature__ = inspect.signature(codec).replace(  # type: ignore[attr-defined]
-        return_annotation=OpAware
-    )
-    factory.__doc__ = summary
-    return factory
-
-
-mesa = STRATEGIES.strategy("quant.mesa", lossless=False)(
-    _op_aware(
-        MesaQuantizer,
-        "Mesa: 8-bit head-wise codes from running (EMA) ranges, widened: nothing wraps.",
-    )
+quant = STRATEGIES.strategy("quant", lossless=False, preset=True)(
+    configured(QuantConfig, build_quant)
 )
 
 
-@STRATEGIES.strategy("quant.auto", lossless=False)
-def auto(
-    budget: float = 2.0,
-    bits: tuple[int, ...] = (1, 2, 4, 8),
-    group_size: int = 256,
-    interval: int = 20,
-    stochastic: bool = True,
-    seed: int | None = None,
-    deriv_bits: int | str | None = "auto",
-    derive: bool = True,
-) -> OpAware:
+def _fixed(bits: int) -> Callable[..., OpAware]:
+    """``quant`` at ``bits``: every option of :class:`QuantConfig` but the width."""
+    return functools.partial(quant, bits)
+
+
+mesa = STRATEGIES.strategy(
+    "quant.mesa",
+    lossless=False,
+    summary="Mesa: 8-bit head-wise codes from running (EMA) ranges, widened: nothing wraps",
+)(configured(MesaQuantizer, OpAware))
+
+
+@dataclass(frozen=True)
+class AutoConfig:
     """Mixed 1/2/4/8-bit under an average budget (default 2), from range x gradient.
 
     Mixed precision: ``budget`` average bits per saved element, re-allocated every
@@ -165,8 +175,27 @@ def auto(
     Measured in the demo at budget 2: derive took the final loss from +6.4% over stock at
     14.55x to +1.7% at 14.84x (see the README).
     """
-    values = AutoQuantizer(budget, bits, group_size, interval, stochastic, seed)
-    if derive:
+
+    budget: float = 2.0
+    bits: tuple[int, ...] = (1, 2, 4, 8)
+    group_size: int = 256
+    interval: int = 20
+    stochastic: bool = True
+    seed: int | None = None
+    deriv_bits: int | str | None = "auto"
+    derive: bool = True
+
+    def __post_init__(self) -> None:
+        """``deriv_bits`` checked here; the widths, budget, group size and interval by the
+        codec :func:`build_auto` makes (:class:`~.auto.AutoQuantizer`, which takes them)."""
+        check_deriv_bits(self.deriv_bits, "quant.auto", None)
+
+
+def build_auto(config: AutoConfig) -> OpAware:
+    """:class:`AutoConfig`'s handler: the allocating codec, its start widths, its placement."""
+    c = config
+    values = AutoQuantizer(c.budget, c.bits, c.group_size, c.interval, c.stochastic, c.seed)
+    if c.derive:
         values.unranked_bits = dict(UNRANKED_BITS)
         values.derive = True
     start = {
@@ -174,15 +203,18 @@ def auto(
         "norm": AUTO_START_NORM.get(values.default_bits),
     }
     values.start_bits = {kind: bits for kind, bits in start.items() if bits is not None}
-    default = None if derive or values.budget >= 4 else 2
-    width = check_deriv_bits(deriv_bits, "quant.auto", default)
-    derivs = None if width is None else DerivCoder(width, stochastic, seed)
-    return OpAware(values, derivs=derivs, derive=bool(derive))
+    default = None if c.derive or values.budget >= 4 else 2
+    width = check_deriv_bits(c.deriv_bits, "quant.auto", default)
+    derivs = None if width is None else DerivCoder(width, c.stochastic, c.seed)
+    return OpAware(values, derivs=derivs, derive=bool(c.derive))
 
 
-fp8 = STRATEGIES.strategy("quant.fp8", lossless=False)(
-    _op_aware(Fp8Quantizer, "Float codes in e4m3 with a per-group scale.")
-)
+auto = STRATEGIES.strategy("quant.auto", lossless=False)(configured(AutoConfig, build_auto))
+
+
+fp8 = STRATEGIES.strategy(
+    "quant.fp8", lossless=False, summary="Float codes in e4m3 with a per-group scale"
+)(configured(Fp8Quantizer, OpAware))
 
 
 def level(name: str, group_size: int = 256, seed: int | None = None) -> Compressor | None:
