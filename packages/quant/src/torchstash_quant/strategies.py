@@ -15,7 +15,7 @@ from torchstash.errors import OptionError
 from torchstash.offload import CpuOffload
 from torchstash.registry import AS_IS
 
-from ._options import check_attn_bits, check_bits, check_deriv_bits, check_group_size
+from ._options import BITS, check_attn_bits, check_bits, check_deriv_bits, check_group_size
 from .auto import UNRANKED_BITS, AutoQuantizer
 from .derivs import DerivCoder
 from .fp8 import Fp8Quantizer
@@ -98,12 +98,22 @@ class QuantConfig:
         name = self.name
         check_bits(self.bits, name)
         check_group_size(self.group_size, name)
-        if self.norm_bits not in ("auto", None) and not isinstance(self.norm_bits, int):
+        for flag in ("stochastic", "derive"):
+            if not isinstance(getattr(self, flag), bool):
+                raise OptionError(
+                    f"{name}: option {flag}={getattr(self, flag)!r} must be True or False"
+                )
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise OptionError(f"{name}: option seed={self.seed!r} must be an integer or None")
+        norm = self.norm_bits
+        if norm not in ("auto", None) and (
+            isinstance(norm, bool) or not isinstance(norm, int) or norm not in BITS
+        ):
             raise OptionError(
-                f"{name}: option norm_bits={self.norm_bits!r} must be 1, 2, 4, 8, 'auto' or None"
+                f"{name}: option norm_bits={norm!r} must be 1, 2, 4, 8, 'auto' or None"
             )
-        if self.norm_bits not in ("auto", None):
-            check_bits(self.norm_bits, name)
         check_deriv_bits(self.deriv_bits, name, None)
         for option in ("attn_bits", "act_bits"):
             value = getattr(self, option)
