@@ -48,8 +48,8 @@ class LegacyMesa(MesaQuantizer):
         channels = x.shape[axis]
         gid, k = self._legacy_groups(channels, x.device)
         gmin, gmax = self._legacy_observe(x, axis, gid, k)
-        lo, hi = self._running(site, gmin, gmax)
         seen = gmin <= gmax
+        lo, hi = self._running(site, torch.stack((gmin, gmax)), seen)
         lo = torch.where(seen, torch.minimum(lo, gmin), lo)
         hi = torch.where(seen, torch.maximum(hi, gmax), hi)
         step = torch.clamp(hi - lo, min=0.0) / LEVELS
