@@ -53,7 +53,7 @@ def _pack(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         stack = list(getattr(node, "meta", {}).get("nn_module_stack", {}).values())
         SEEN.append((node.name, str(node.target), stack[-1][0] if stack else ""))
     if x.dtype != torch.float32 or x.numel() < MIN_NUMEL:
-        return (x,)
+        return (x.detach(),)  # never the tensor itself: see docs/compile.md
     codes, lo, step = torch.ops.torchstash.group_quantize(x.reshape(-1), 8, GROUP, 0, False)
     shape = x.new_empty(1, dtype=torch.uint8).expand(x.shape)  # carries the shape, 1 byte
     return (codes, lo, step, shape)
