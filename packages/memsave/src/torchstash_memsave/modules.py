@@ -116,6 +116,34 @@ class _ConvTransposeMixin(MemSave):
             )
 
 
+def _layer_mixin(
+    family: str,
+    op: str,
+    fn: Callable[..., torch.Tensor],
+    attrs: tuple[str, ...],
+    *,
+    operands: tuple[str, ...] = (),
+    stock_when: Callable[[Any, torch.Tensor], bool] | None = None,
+) -> type[MemSave]:
+    """The forward of a layer that is ``fn(input, *its attrs)``, tracked as op ``op`` over the
+    input and its ``operands`` (weights and statistics), or the stock layer's own forward where
+    ``stock_when(layer, input)`` says the memory-saving one would spare nothing."""
+
+    class _LayerMixin(MemSave):
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            m: Any = self
+            if stock_when is not None and stock_when(m, input):
+                out: torch.Tensor = m.base.forward(m, input)
+                return out
+            with _as_op(op, (input, *(getattr(m, o) for o in operands))):
+                out = fn(input, *(getattr(m, a) for a in attrs))
+                return out
+
+    _LayerMixin.family = family
+    _LayerMixin.__name__ = _LayerMixin.__qualname__ = f"_{op}_mixin"
+    return _LayerMixin
+
+
 # -- normalization --------------------------------------------------------------------------
 
 
@@ -151,82 +179,37 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-class _LayerNormMixin(MemSave):
-    family = "layernorm"
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        m: Any = self
-        if layer_norm_spares_nothing(input, m.weight, m.bias):
-            return m.base.forward(m, input)
-        with _as_op("layer_norm", (input, m.weight, m.bias)):
-            return MF.layer_norm(input, m.normalized_shape, m.weight, m.bias, m.eps)
-
-
-class _GroupNormMixin(MemSave):
-    family = "groupnorm"
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        m: Any = self
-        if group_norm_spares_nothing(input):
-            return m.base.forward(m, input)
-        with _as_op("group_norm", (input, m.weight, m.bias)):
-            return MF.group_norm(input, m.num_groups, m.weight, m.bias, m.eps)
-
-
-class _RMSNormMixin(MemSave):
-    family = "rmsnorm"
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        m: Any = self
-        with _as_op("rms_norm", (input, m.weight)):
-            return MF.rms_norm(input, m.normalized_shape, m.weight, m.eps)
+_LayerNormMixin = _layer_mixin(
+    "layernorm",
+    "layer_norm",
+    MF.layer_norm,
+    ("normalized_shape", "weight", "bias", "eps"),
+    operands=("weight", "bias"),
+    stock_when=lambda m, x: layer_norm_spares_nothing(x, m.weight, m.bias),
+)
+_GroupNormMixin = _layer_mixin(
+    "groupnorm",
+    "group_norm",
+    MF.group_norm,
+    ("num_groups", "weight", "bias", "eps"),
+    operands=("weight", "bias"),
+    stock_when=lambda m, x: group_norm_spares_nothing(x),
+)
+_RMSNormMixin = _layer_mixin(
+    "rmsnorm", "rms_norm", MF.rms_norm, ("normalized_shape", "weight", "eps"), operands=("weight",)
+)
 
 
 # -- activations, dropout, pooling ----------------------------------------------------------
 
 
-class _ReLUMixin(MemSave):
-    family = "relu"
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        with _as_op("relu", (input,)):
-            return MF.relu(input, inplace=self.inplace)  # type: ignore[attr-defined]
-
-
-class _LeakyReLUMixin(MemSave):
-    family = "relu"
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        m: Any = self
-        with _as_op("leaky_relu", (input,)):
-            return MF.leaky_relu(input, m.negative_slope, m.inplace)
-
-
-class _HardtanhMixin(MemSave):
-    family = "relu"
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        m: Any = self
-        with _as_op("hardtanh", (input,)):
-            return MF.hardtanh(input, m.min_val, m.max_val, m.inplace)
-
-
-class _DropoutMixin(MemSave):
-    family = "dropout"
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        m: Any = self
-        with _as_op("dropout", (input,)):
-            return MF.dropout(input, m.p, m.training, m.inplace)
-
-
-class _AlphaDropoutMixin(MemSave):
-    family = "dropout"
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        m: Any = self
-        with _as_op("alpha_dropout", (input,)):
-            return MF.alpha_dropout(input, m.p, m.training, m.inplace)
+_ReLUMixin = _layer_mixin("relu", "relu", MF.relu, ("inplace",))
+_LeakyReLUMixin = _layer_mixin("relu", "leaky_relu", MF.leaky_relu, ("negative_slope", "inplace"))
+_HardtanhMixin = _layer_mixin("relu", "hardtanh", MF.hardtanh, ("min_val", "max_val", "inplace"))
+_DropoutMixin = _layer_mixin("dropout", "dropout", MF.dropout, ("p", "training", "inplace"))
+_AlphaDropoutMixin = _layer_mixin(
+    "dropout", "alpha_dropout", MF.alpha_dropout, ("p", "training", "inplace")
+)
 
 
 def _max_pool_mixin(fn: Callable[..., Any]) -> type[MemSave]:

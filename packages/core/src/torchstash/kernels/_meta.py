@@ -1,270 +1,269 @@
 """Fake (meta) kernels of the ``torchstash::`` ops, so ``torch.compile`` can trace them.
 
+Each op's fake is a row of :data:`FAKES`: the rules its arguments keep while tracing (the
+dispatchers' rules and words, :mod:`._checks`) and the outputs it makes, both reading the
+arguments by the names the op's schema gives them (``csrc/bindings/ops.cpp``), which are
+the only signature: one generic kernel binds a traced call to those names.
+
 The C++ library names this module (``m.set_python_module``): torch imports it when it
 needs a fake kernel, and torch requires the registrations to come from here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
 import torch
 
-from ._checks import FLOAT_DTYPES, traced_bits, traced_count, traced_dtype, traced_float
+from ._checks import (
+    FLOAT_DTYPES,
+    packed_size,
+    traced_bits,
+    traced_count,
+    traced_dtype,
+    traced_float,
+)
 
 _registered = False
 
-
-def _pack_bits_fake(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    traced_bits(bits)
-    torch._check(
-        codes.dtype in (torch.uint8, torch.bool),
-        lambda: f"codes must be uint8 or bool, got {codes.dtype}",
-    )
-    per = 8 // bits
-    return codes.new_empty(((codes.numel() + per - 1) // per,), dtype=torch.uint8)
-
-
-def _unpack_bits_fake(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    traced_bits(bits)
-    traced_dtype(packed, "packed", torch.uint8)
-    return packed.new_empty((numel,))
-
-
-def _philox_uniform_fake(out: torch.Tensor, seed: int, offset: int) -> None:
-    traced_dtype(out, "out", torch.float32)
-
-
-def _group_quantize_fake(
-    x: torch.Tensor, bits: int, group_size: int, seed: int, stochastic: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    traced_bits(bits)
-    traced_count(group_size, "group_size")
-    traced_float(x.dtype, "x")
-    n, per = x.numel(), 8 // bits
-    groups = (n + group_size - 1) // group_size
-    return (
-        x.new_empty(((n + per - 1) // per,), dtype=torch.uint8),
-        x.new_empty((groups,), dtype=torch.bfloat16),
-        x.new_empty((groups,), dtype=torch.bfloat16),
-    )
-
-
-def _group_dequantize_fake(
-    packed: torch.Tensor,
-    lo: torch.Tensor,
-    step: torch.Tensor,
-    bits: int,
-    group_size: int,
-    numel: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    traced_bits(bits)
-    traced_dtype(packed, "packed", torch.uint8)
-    traced_float(dtype, "dtype")
-    return packed.new_empty((numel,), dtype=dtype)
-
-
-def _channel_minmax_fake(
-    x: torch.Tensor, inner: int, channels: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    traced_float(x.dtype, "x")
-    traced_count(inner, "inner")
-    traced_count(channels, "channels")
-    return (
-        x.new_empty((channels,), dtype=torch.float32),
-        x.new_empty((channels,), dtype=torch.float32),
-    )
-
-
-def _channel_quantize_fake(
-    x: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, inner: int, seed: int, stochastic: bool
-) -> torch.Tensor:
-    traced_float(x.dtype, "x")
-    traced_dtype(lo, "lo", torch.float32)
-    traced_dtype(step, "step", torch.float32)
-    traced_count(inner, "inner")
-    return x.new_empty((x.numel(),), dtype=torch.uint8)
-
-
-def _channel_dequantize_fake(
-    codes: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, inner: int, dtype: torch.dtype
-) -> torch.Tensor:
-    traced_dtype(codes, "codes", torch.uint8)
-    traced_dtype(lo, "lo", torch.float32)
-    traced_dtype(step, "step", torch.float32)
-    traced_count(inner, "inner")
-    traced_float(dtype, "dtype")
-    return codes.new_empty((codes.numel(),), dtype=dtype)
-
-
-def _row_center_fake(
-    x: torch.Tensor, run: int, scale: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    traced_float(x.dtype, "x")
-    traced_count(run, "run")
-    rows = x.numel() // run
-    return (
-        x.new_empty((x.numel(),), dtype=torch.float32),
-        x.new_empty((rows,), dtype=torch.float32),
-        x.new_empty(((rows + 7) // 8,), dtype=torch.uint8),
-        x.new_empty((rows if scale else 0,), dtype=torch.float32),
-    )
-
-
-def _row_uncenter_fake(
-    decoded: torch.Tensor,
-    offsets: torch.Tensor,
-    constant: torch.Tensor,
-    scales: torch.Tensor,
-    run: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    traced_dtype(decoded, "decoded", torch.float32)
-    traced_count(run, "run")
-    traced_float(dtype, "dtype")
-    return decoded.new_empty((decoded.numel(),), dtype=dtype)
-
-
-def _row_group_quantize_fake(
-    x: torch.Tensor, run: int, bits: int, group_size: int, seed: int, stochastic: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    traced_count(run, "run")
-    packed, lo, step = _group_quantize_fake(x, bits, group_size, seed, stochastic)
-    rows = x.numel() // run
-    return (
-        packed,
-        lo,
-        step,
-        x.new_empty((rows,), dtype=torch.float32),
-        x.new_empty(((rows + 7) // 8,), dtype=torch.uint8),
-    )
-
-
-def _row_group_dequantize_fake(
-    packed: torch.Tensor,
-    lo: torch.Tensor,
-    step: torch.Tensor,
-    offsets: torch.Tensor,
-    constant: torch.Tensor,
-    bits: int,
-    group_size: int,
-    run: int,
-    numel: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    traced_count(run, "run")
-    return _group_dequantize_fake(packed, lo, step, bits, group_size, numel, dtype)
-
-
-def _fp8_quantize_fake(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    traced_float(x.dtype, "x")
-    traced_count(group_size, "group_size")
-    groups = (x.numel() + group_size - 1) // group_size
-    return (
-        x.new_empty((groups * group_size,), dtype=torch.uint8),
-        x.new_empty((groups,), dtype=torch.bfloat16),
-    )
-
-
-def _fp8_dequantize_fake(
-    codes: torch.Tensor, scale: torch.Tensor, group_size: int, numel: int, dtype: torch.dtype
-) -> torch.Tensor:
-    traced_dtype(codes, "codes", torch.uint8)
-    traced_dtype(scale, "scale", torch.bfloat16)
-    traced_float(dtype, "dtype")
-    return codes.new_empty((numel,), dtype=dtype)
-
-
-def _level_quantize_fake(
-    x: torch.Tensor, levels: torch.Tensor, bits: int, seed: int
-) -> torch.Tensor:
-    traced_float(x.dtype, "x")
-    torch._check(bits in (2, 4, 8), lambda: f"bits must be 2, 4 or 8, got {bits}")
-    traced_dtype(levels, "levels", torch.float32)
-    return x.new_empty(((x.numel() * bits + 7) // 8,), dtype=torch.uint8)
-
+#: An op's traced call, its arguments by their schema names (``a.x``, ``a.bits``...).
+Args = SimpleNamespace
+Rule = Callable[[Args], None]
 
 _SIGN_FLOATS = (*FLOAT_DTYPES, torch.float64)
-
-
-def _sign_pack_fake(x: torch.Tensor) -> torch.Tensor:
-    torch._check(x.dtype in _SIGN_FLOATS, lambda: f"x must be a float tensor, got {x.dtype}")
-    return x.new_empty(((x.numel() + 7) // 8,), dtype=torch.uint8)
-
-
-def _sign_unpack_fake(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    traced_dtype(packed, "packed", torch.uint8)
-    torch._check(dtype in _SIGN_FLOATS, lambda: f"dtype must be a float dtype, got {dtype}")
-    return packed.new_empty((numel,), dtype=dtype)
-
-
-def _sign_select_fake(grad: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    torch._check(
-        grad.dtype in _SIGN_FLOATS, lambda: f"grad must be a float tensor, got {grad.dtype}"
-    )
-    traced_dtype(packed, "packed", torch.uint8)
-    torch._check(
-        packed.numel() == (grad.numel() + 7) // 8,
-        lambda: f"packed must hold {(grad.numel() + 7) // 8} bytes, got {packed.numel()}",
-    )
-    return grad.new_empty((grad.numel(),))
-
-
 _OFFSET_BLOCK = 1 << 16
 
 
-def _check_kept(kept: int) -> None:
-    traced_count(kept, "kept", 0)
+@dataclass(frozen=True)
+class Fake:
+    """What one op's fake kernel checks and what it returns."""
+
+    rules: Sequence[Rule]
+    outputs: Callable[[Args], Any]
 
 
-def _check_mask(mask: torch.Tensor, numel: int) -> None:
-    torch._check(mask.dtype == torch.uint8, lambda: f"the mask must be uint8, got {mask.dtype}")
+# -- the rules, each of one argument (or of one relation) ---------------------------------------
+
+
+def _bits(a: Args) -> None:
+    traced_bits(a.bits)
+
+
+def _count(name: str, low: int = 1) -> Rule:
+    return lambda a: traced_count(getattr(a, name), name, low)
+
+
+def _float(name: str) -> Rule:
+    """A float tensor (its dtype), or a float dtype, of :data:`FLOAT_DTYPES`."""
+
+    def rule(a: Args) -> None:
+        value = getattr(a, name)
+        traced_float(value.dtype if isinstance(value, torch.Tensor) else value, name)
+
+    return rule
+
+
+def _dtype(name: str, dtype: torch.dtype) -> Rule:
+    return lambda a: traced_dtype(getattr(a, name), name, dtype)
+
+
+def _sign_float(name: str) -> Rule:
+    """A float tensor or dtype the sign ops take (float64 too)."""
+
+    def rule(a: Args) -> None:
+        value = getattr(a, name)
+        dtype = value.dtype if isinstance(value, torch.Tensor) else value
+        what = "a float tensor" if isinstance(value, torch.Tensor) else "a float dtype"
+        torch._check(dtype in _SIGN_FLOATS, lambda: f"{name} must be {what}, got {dtype}")
+
+    return rule
+
+
+def _codes(a: Args) -> None:
+    torch._check(
+        a.codes.dtype in (torch.uint8, torch.bool),
+        lambda: f"codes must be uint8 or bool, got {a.codes.dtype}",
+    )
+
+
+def _level_bits(a: Args) -> None:
+    torch._check(a.bits in (2, 4, 8), lambda: f"bits must be 2, 4 or 8, got {a.bits}")
+
+
+def _signs_of_grad(a: Args) -> None:
+    want = (a.grad.numel() + 7) // 8
+    torch._check(
+        a.packed.numel() == want, lambda: f"packed must hold {want} bytes, got {a.packed.numel()}"
+    )
+
+
+def _mask(a: Args) -> None:
+    """A uint8 bit mask of ``numel`` elements (``x``'s where the op has no ``numel``)."""
+    numel = a.numel if hasattr(a, "numel") else a.x.numel()
+    torch._check(a.mask.dtype == torch.uint8, lambda: f"the mask must be uint8, got {a.mask.dtype}")
     traced_count(numel, "numel", 0)
     torch._check(
-        mask.numel() == (numel + 7) // 8,
-        lambda: f"{numel} elements need a mask of {(numel + 7) // 8} bytes, got {mask.numel()}",
+        a.mask.numel() == (numel + 7) // 8,
+        lambda: f"{numel} elements need a mask of {(numel + 7) // 8} bytes, got {a.mask.numel()}",
     )
 
 
-def _topk_mask_fake(x: torch.Tensor, segments: int, k: int, exact: bool) -> torch.Tensor:
-    traced_float(x.dtype, "x")
-    traced_count(segments, "segments")
-    traced_count(k, "k", 0)
-    return x.new_empty(((x.numel() + 7) // 8,), dtype=torch.uint8)
+# -- the outputs ------------------------------------------------------------------------------
 
 
-def _mask_compact_fake(x: torch.Tensor, mask: torch.Tensor, kept: int) -> torch.Tensor:
-    traced_float(x.dtype, "x")
-    _check_mask(mask, x.numel())
-    _check_kept(kept)
-    return x.new_empty((kept,))
+def _empty(like: torch.Tensor, size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return like.new_empty((size,), dtype=dtype)
 
 
-def _mask_scatter_fake(mask: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
-    _check_mask(mask, numel)
-    traced_float(values.dtype, "values")
-    return values.new_empty((numel,))
+def _groups(a: Args) -> int:
+    return (a.x.numel() + a.group_size - 1) // a.group_size
 
 
-def _mask_offsets_fake(
-    mask: torch.Tensor, numel: int, kept: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_mask(mask, numel)
-    _check_kept(kept)
-    blocks = (numel + _OFFSET_BLOCK - 1) // _OFFSET_BLOCK
+def _rows(a: Args) -> int:
+    return a.x.numel() // a.run
+
+
+def _group_codes(a: Args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``group_quantize``'s: packed codes, a bfloat16 minimum and step per group."""
+    groups = _groups(a)
     return (
-        mask.new_empty((kept,), dtype=torch.uint16),
-        mask.new_empty((blocks,), dtype=torch.int32),
+        _empty(a.x, packed_size(a.x.numel(), a.bits), torch.uint8),
+        _empty(a.x, groups, torch.bfloat16),
+        _empty(a.x, groups, torch.bfloat16),
     )
 
 
-def _offsets_scatter_fake(
-    offsets: torch.Tensor, counts: torch.Tensor, values: torch.Tensor, numel: int
-) -> torch.Tensor:
-    traced_dtype(offsets, "offsets", torch.uint16)
-    traced_dtype(counts, "counts", torch.int32)
-    traced_float(values.dtype, "values")
-    traced_count(numel, "numel", 0)
-    return values.new_empty((numel,))
+def _row_parts(a: Args) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row code's float32 offset per row and its constant rows' bits."""
+    rows = _rows(a)
+    return _empty(a.x, rows, torch.float32), _empty(a.x, (rows + 7) // 8, torch.uint8)
+
+
+def _values(a: Args, like: str, numel: str = "numel") -> torch.Tensor:
+    """``numel`` values of ``dtype`` (``numel`` an argument's value, or a tensor's size)."""
+    t = getattr(a, like)
+    n = getattr(a, numel) if numel != "like" else t.numel()
+    return _empty(t, n, a.dtype)
+
+
+_GROUP_DECODE = (_bits, _dtype("packed", torch.uint8), _float("dtype"))
+
+FAKES: dict[str, Fake] = {
+    "pack_bits": Fake(
+        (_bits, _codes),
+        lambda a: _empty(a.codes, packed_size(a.codes.numel(), a.bits), torch.uint8),
+    ),
+    "unpack_bits": Fake(
+        (_bits, _dtype("packed", torch.uint8)), lambda a: _empty(a.packed, a.numel)
+    ),
+    "philox_uniform": Fake((_dtype("out", torch.float32),), lambda a: None),
+    "group_quantize": Fake((_bits, _count("group_size"), _float("x")), _group_codes),
+    "group_dequantize": Fake(_GROUP_DECODE, lambda a: _values(a, "packed")),
+    "channel_minmax": Fake(
+        (_float("x"), _count("inner"), _count("channels")),
+        lambda a: (
+            _empty(a.x, a.channels, torch.float32),
+            _empty(a.x, a.channels, torch.float32),
+        ),
+    ),
+    "channel_quantize": Fake(
+        (_float("x"), _dtype("lo", torch.float32), _dtype("step", torch.float32), _count("inner")),
+        lambda a: _empty(a.x, a.x.numel(), torch.uint8),
+    ),
+    "channel_dequantize": Fake(
+        (
+            _dtype("codes", torch.uint8),
+            _dtype("lo", torch.float32),
+            _dtype("step", torch.float32),
+            _count("inner"),
+            _float("dtype"),
+        ),
+        lambda a: _values(a, "codes", "like"),
+    ),
+    "row_center": Fake(
+        (_float("x"), _count("run")),
+        lambda a: (
+            _empty(a.x, a.x.numel(), torch.float32),
+            *_row_parts(a),
+            _empty(a.x, _rows(a) if a.scale else 0, torch.float32),
+        ),
+    ),
+    "row_uncenter": Fake(
+        (_dtype("decoded", torch.float32), _count("run"), _float("dtype")),
+        lambda a: _values(a, "decoded", "like"),
+    ),
+    "row_group_quantize": Fake(
+        (_count("run"), _bits, _count("group_size"), _float("x")),
+        lambda a: (*_group_codes(a), *_row_parts(a)),
+    ),
+    "row_group_dequantize": Fake((_count("run"), *_GROUP_DECODE), lambda a: _values(a, "packed")),
+    "fp8_quantize": Fake(
+        (_float("x"), _count("group_size")),
+        lambda a: (
+            _empty(a.x, _groups(a) * a.group_size, torch.uint8),
+            _empty(a.x, _groups(a), torch.bfloat16),
+        ),
+    ),
+    "fp8_dequantize": Fake(
+        (_dtype("codes", torch.uint8), _dtype("scale", torch.bfloat16), _float("dtype")),
+        lambda a: _values(a, "codes"),
+    ),
+    "level_quantize": Fake(
+        (_float("x"), _level_bits, _dtype("levels", torch.float32)),
+        lambda a: _empty(a.x, (a.x.numel() * a.bits + 7) // 8, torch.uint8),
+    ),
+    "sign_pack": Fake(
+        (_sign_float("x"),), lambda a: _empty(a.x, (a.x.numel() + 7) // 8, torch.uint8)
+    ),
+    "sign_unpack": Fake(
+        (_dtype("packed", torch.uint8), _sign_float("dtype")), lambda a: _values(a, "packed")
+    ),
+    "sign_select": Fake(
+        (_sign_float("grad"), _dtype("packed", torch.uint8), _signs_of_grad),
+        lambda a: _empty(a.grad, a.grad.numel()),
+    ),
+    "topk_mask": Fake(
+        (_float("x"), _count("segments"), _count("k", 0)),
+        lambda a: _empty(a.x, (a.x.numel() + 7) // 8, torch.uint8),
+    ),
+    "mask_compact": Fake((_float("x"), _mask, _count("kept", 0)), lambda a: _empty(a.x, a.kept)),
+    "mask_scatter": Fake((_mask, _float("values")), lambda a: _empty(a.values, a.numel)),
+    "mask_offsets": Fake(
+        (_mask, _count("kept", 0)),
+        lambda a: (
+            _empty(a.mask, a.kept, torch.uint16),
+            _empty(a.mask, (a.numel + _OFFSET_BLOCK - 1) // _OFFSET_BLOCK, torch.int32),
+        ),
+    ),
+    "offsets_scatter": Fake(
+        (
+            _dtype("offsets", torch.uint16),
+            _dtype("counts", torch.int32),
+            _float("values"),
+            _count("numel", 0),
+        ),
+        lambda a: _empty(a.values, a.numel),
+    ),
+}
+
+
+def kernel(name: str) -> Callable[..., Any]:
+    """The fake kernel of op ``name``: the traced call bound to its schema's argument names,
+    checked by its rules, answered with its outputs' shapes and dtypes."""
+    fake = FAKES[name]
+    names = [arg.name for arg in getattr(torch.ops.torchstash, name).default._schema.arguments]
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        a = Args(**dict(zip(names, args, strict=False)), **kwargs)
+        for rule in fake.rules:
+            rule(a)
+        return fake.outputs(a)
+
+    run.__name__ = run.__qualname__ = f"{name}_fake"
+    return run
 
 
 def _op_defined(name: str) -> bool:
@@ -279,16 +278,6 @@ def _ops_defined() -> bool:
     return _op_defined("pack_bits")
 
 
-#: The op names of the fake kernels :func:`register` gives torch (``_<name>_fake`` each)
-FAKES = (
-    "pack_bits", "unpack_bits", "philox_uniform", "group_quantize", "group_dequantize",
-    "channel_minmax", "channel_quantize", "channel_dequantize", "row_center", "row_uncenter",
-    "row_group_quantize", "row_group_dequantize", "fp8_quantize", "fp8_dequantize", "sign_pack",
-    "sign_unpack", "sign_select", "level_quantize", "topk_mask", "mask_compact", "mask_scatter",
-    "mask_offsets", "offsets_scatter",
-)  # fmt: skip
-
-
 def register() -> None:
     """Registers the fake kernels once per process (the ops must already be defined; a
     library built from older sources, ``TORCHSTASH_CSRC_DIR``, may lack the newer ones)."""
@@ -297,7 +286,7 @@ def register() -> None:
         return
     for name in FAKES:
         if _op_defined(name):
-            torch.library.register_fake(f"torchstash::{name}", globals()[f"_{name}_fake"])
+            torch.library.register_fake(f"torchstash::{name}", kernel(name))
     _registered = True
 
 
