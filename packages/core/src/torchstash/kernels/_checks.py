@@ -150,6 +150,18 @@ def check_u64(value: int, name: str, *, op: str) -> int:
     return value
 
 
+def check_seed(seed: object, *, op: str) -> None:
+    """An int in [0, 2**64), or a 0-dim int64 tensor holding one's 64 bits (a traced seed)."""
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int64 or seed.dim() != 0:
+            raise ValueError(
+                f"{op}: a seed tensor must be a 0-dim int64 tensor, got {seed.dtype} of shape "
+                f"{tuple(seed.shape)}; make it with torch.tensor(as_int64(seed))"
+            )
+        return
+    check_u64(seed, "seed", op=op)  # type: ignore[arg-type]
+
+
 def as_int64(value: int) -> int:
     """The int64 with the same 64-bit pattern as ``value`` in [0, 2**64) (for op schemas)."""
     return value - _U64 if value >= 1 << 63 else value

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import pack_bits_ref, philox_uniform_ref, unpack_bits_ref
+from .reference import Seed, pack_bits_ref, philox_uniform_ref, unpack_bits_ref
 
 __all__ = ["group_dequantize_ref", "group_quantize_ref", "group_steps", "levels", "num_groups"]
 
@@ -116,9 +116,11 @@ def bf16_up(v: torch.Tensor) -> torch.Tensor:
 
 
 def group_quantize_ref(
-    x: torch.Tensor, bits: int, group_size: int, seed: int, stochastic: bool = True
+    x: torch.Tensor, bits: int, group_size: int, seed: Seed, stochastic: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(packed uint8 codes, lo bf16[groups], step bf16[groups]) for float ``x``."""
+    """(packed uint8 codes, lo bf16[groups], step bf16[groups]) for float ``x``. With the seed
+    a tensor (:data:`~.reference.Seed`) it traces into ``torch.compile``'s graph with the seed
+    an input, and inductor's code gives the kernel's bits (``test_traced_reference.py``)."""
     n = x.numel()
     g = num_groups(n, group_size)
     xf = x.contiguous().reshape(-1).to(torch.float32)

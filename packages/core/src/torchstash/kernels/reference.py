@@ -6,6 +6,8 @@ when the kernels cannot be built, so they are vectorized rather than literal.
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import torch
 
 from ._checks import (
@@ -13,6 +15,7 @@ from ._checks import (
     check_codes,
     check_numel,
     check_packed,
+    check_seed,
     check_u64,
     packed_size,
 )
@@ -114,10 +117,17 @@ def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (y >> 16) + (t >> 32), t & _MASK32
 
 
+#: A seed: an int in [0, 2**64), or (traced, where an int would be a graph's constant) a
+#: 0-dim int64 tensor holding its 64 bits (:func:`~torchstash.kernels._checks.as_int64`).
+Seed: TypeAlias = int | torch.Tensor
+
+
 def philox4x32_10(
-    counter: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], key: tuple[int, int]
+    counter: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    key: tuple[int, int] | tuple[torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Philox4x32-10 on int64 tensors holding 32-bit words (the Random123 algorithm)."""
+    """Philox4x32-10 on int64 tensors holding 32-bit words (the Random123 algorithm); the key
+    two 32-bit words, as ints or as 0-dim int64 tensors."""
     c0, c1, c2, c3 = counter
     k0, k1 = key
     for r in range(ROUNDS):
@@ -130,7 +140,7 @@ def philox4x32_10(
 
 
 def _philox_blocks(
-    first: int, count: int, seed: int, offset: int, device: torch.device
+    first: int, count: int, seed: Seed, offset: int, device: torch.device
 ) -> torch.Tensor:
     """The (count, 4) int64 output words of blocks [first, first + count)."""
     block = torch.arange(first, first + count, dtype=torch.int64, device=device)
@@ -140,15 +150,18 @@ def _philox_blocks(
         torch.full_like(block, offset & _MASK32),
         torch.full_like(block, offset >> 32),
     )
-    return torch.stack(philox4x32_10(counter, (seed & _MASK32, seed >> 32)), dim=1)
+    key = (seed & _MASK32, (seed >> 32) & _MASK32)  # a tensor's high word: shifted with its sign
+    return torch.stack(philox4x32_10(counter, key), dim=1)
 
 
 def philox_uniform_ref(
-    numel: int, seed: int, offset: int = 0, *, device: torch.device | str = "cpu"
+    numel: int, seed: Seed, offset: int = 0, *, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """``numel`` float32 uniforms in [0, 1) from Philox4x32-10 at (seed, offset)."""
+    """``numel`` float32 uniforms in [0, 1) from Philox4x32-10 at (seed, offset). A tensor
+    seed (see :data:`Seed`) draws the same numbers, and inside ``torch.compile`` it is an
+    input of the graph: a new seed each step, no recompilation."""
     check_numel(numel, op="philox_uniform_ref")
-    check_u64(seed, "seed", op="philox_uniform_ref")
+    check_seed(seed, op="philox_uniform_ref")
     check_u64(offset, "offset", op="philox_uniform_ref")
     dev = torch.device(device)
     out = torch.empty(numel, dtype=torch.float32, device=dev)
