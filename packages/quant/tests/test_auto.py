@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -90,6 +91,21 @@ def test_contraction_length_follows_the_operand(
     assert site_kind(torch.zeros(shape), site)[1] == contraction
 
 
+def allocated(build: Callable[[], nn.Module], x: torch.Tensor) -> dict[str, int]:
+    """The bits ``quant.auto`` (a budget of 2) gives each site of the model after its first
+    allocation (three steps of a squared output's mean on ``x``)."""
+    torch.manual_seed(0)
+    model = build()
+    codec = auto(2, seed=0)
+    engine = Engine(lambda site, types: codec, min_bytes=0)  # type: ignore[arg-type,return-value]
+    for _ in range(3):
+        with engine.activated():
+            loss = model(x).square().mean()
+        loss.backward()
+    bits: dict[str, int] = codec.values.allocation.bits  # type: ignore[attr-defined]
+    return bits
+
+
 class BnSiluNet(nn.Module):
     """Conv, BatchNorm, SiLU, as in EfficientNet's blocks; a squeeze-excitation's SiLU fed
     by a conv alone beside it."""
@@ -109,16 +125,7 @@ def test_an_elementwise_after_a_batch_norm_keeps_quant_ints_width() -> None:
     cosine to stock was 0.36, 0.76 with them held at ``quant.int2``'s 4 bits (the same
     bytes); a SiLU after a linear or a conv (the transformers, the squeeze-excitation) is
     allocated as before."""
-    torch.manual_seed(0)
-    model = BnSiluNet()
-    codec = auto(2, seed=0)
-    engine = Engine(lambda site, types: codec, min_bytes=0)  # type: ignore[arg-type,return-value]
-    x = torch.randn(8, 3, 16, 16)
-    for _ in range(3):
-        with engine.activated():
-            loss = model(x).square().mean()
-        loss.backward()
-    bits = codec.values.allocation.bits  # type: ignore[attr-defined]
+    bits = allocated(BnSiluNet, torch.randn(8, 3, 16, 16))
     silu = {k.split(":")[1]: b for k, b in bits.items() if ":silu" in k}
     assert silu == {"silu0": 4, "silu1": 2}, bits
 
@@ -141,16 +148,7 @@ def test_a_conv_input_keeps_two_bits_and_a_linears_may_take_one() -> None:
     """EfficientNet-B0's pointwise convs' inputs went to 1 bit: its gradient's median
     cosine along stock's run was 0.74, ``quant.int2``'s 0.78 at the same bytes, 0.80 with no
     conv input below 2 bits. A linear's input still goes to 1 bit where it costs least."""
-    torch.manual_seed(0)
-    model = QuietConvNet()
-    codec = auto(2, seed=0)
-    engine = Engine(lambda site, types: codec, min_bytes=0)  # type: ignore[arg-type,return-value]
-    x = torch.randn(64, 3, 16, 16)
-    for _ in range(3):
-        with engine.activated():
-            loss = model(x).square().mean()
-        loss.backward()
-    bits = codec.values.allocation.bits  # type: ignore[attr-defined]
+    bits = allocated(QuietConvNet, torch.randn(64, 3, 16, 16))
     conv = [b for k, b in bits.items() if ":conv" in k and k.endswith(":input:0")]
     assert conv == [2], bits
     assert [b for k, b in bits.items() if ":linear0:input" in k] == [1], bits

@@ -121,13 +121,12 @@ def _layer_mixin(
     op: str,
     fn: Callable[..., torch.Tensor],
     attrs: tuple[str, ...],
-    *,
-    operands: tuple[str, ...] = (),
     stock_when: Callable[[Any, torch.Tensor], bool] | None = None,
 ) -> type[MemSave]:
     """The forward of a layer that is ``fn(input, *its attrs)``, tracked as op ``op`` over the
-    input and its ``operands`` (weights and statistics), or the stock layer's own forward where
-    ``stock_when(layer, input)`` says the memory-saving one would spare nothing."""
+    input and the attrs that are tensors (weights, or None where the layer has none), or the
+    stock layer's own forward where ``stock_when(layer, input)`` says the memory-saving one
+    would spare nothing."""
 
     class _LayerMixin(MemSave):
         def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -135,13 +134,19 @@ def _layer_mixin(
             if stock_when is not None and stock_when(m, input):
                 out: torch.Tensor = m.base.forward(m, input)
                 return out
-            with _as_op(op, (input, *(getattr(m, o) for o in operands))):
-                out = fn(input, *(getattr(m, a) for a in attrs))
+            values = [getattr(m, a) for a in attrs]
+            operands = [v for a, v in zip(attrs, values, strict=True) if a in _WEIGHTS]
+            with _as_op(op, (input, *operands)):
+                out = fn(input, *values)
                 return out
 
     _LayerMixin.family = family
     _LayerMixin.__name__ = _LayerMixin.__qualname__ = f"_{op}_mixin"
     return _LayerMixin
+
+
+#: the attributes of a layer that are the op's tensor operands (see :func:`_layer_mixin`)
+_WEIGHTS = frozenset({"weight", "bias"})
 
 
 # -- normalization --------------------------------------------------------------------------
@@ -179,24 +184,23 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _layer_norm_stock(m: Any, x: torch.Tensor) -> bool:
+    return layer_norm_spares_nothing(x, m.weight, m.bias)
+
+
+def _group_norm_stock(m: Any, x: torch.Tensor) -> bool:
+    return group_norm_spares_nothing(x)
+
+
+_NORM = ("weight", "bias", "eps")
 _LayerNormMixin = _layer_mixin(
-    "layernorm",
-    "layer_norm",
-    MF.layer_norm,
-    ("normalized_shape", "weight", "bias", "eps"),
-    operands=("weight", "bias"),
-    stock_when=lambda m, x: layer_norm_spares_nothing(x, m.weight, m.bias),
+    "layernorm", "layer_norm", MF.layer_norm, ("normalized_shape", *_NORM), _layer_norm_stock
 )
 _GroupNormMixin = _layer_mixin(
-    "groupnorm",
-    "group_norm",
-    MF.group_norm,
-    ("num_groups", "weight", "bias", "eps"),
-    operands=("weight", "bias"),
-    stock_when=lambda m, x: group_norm_spares_nothing(x),
+    "groupnorm", "group_norm", MF.group_norm, ("num_groups", *_NORM), _group_norm_stock
 )
 _RMSNormMixin = _layer_mixin(
-    "rmsnorm", "rms_norm", MF.rms_norm, ("normalized_shape", "weight", "eps"), operands=("weight",)
+    "rmsnorm", "rms_norm", MF.rms_norm, ("normalized_shape", "weight", "eps")
 )
 
 
