@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
 import torch
 
 from . import loader
 
 Impl = Literal["auto", "ref", "kernel"]
+T = TypeVar("T")
 IMPLS = ("auto", "ref", "kernel")
 
 #: ``auto``'s answer per device, with the build outcome it was read from: every code calls
@@ -45,3 +47,14 @@ def _available(mode: str, device: torch.device | str) -> bool:
     answer = loader.available(device)
     _answers[(mode, device)] = (loader._outcome, answer)
     return answer
+
+
+def dispatch(
+    op: str, impl: str, device: torch.device, reference: Callable[..., T], *args: Any
+) -> T:
+    """``torch.ops.torchstash.<op>(*args)`` where :func:`use_kernel` says so, else
+    ``reference(*args)``: an op whose kernel and golden model take the same arguments."""
+    if use_kernel(impl, device):
+        out: T = getattr(torch.ops.torchstash, op)(*args)
+        return out
+    return reference(*args)

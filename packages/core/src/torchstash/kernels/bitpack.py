@@ -10,7 +10,7 @@ import torch
 
 from ..errors import KernelUnavailable
 from ._checks import check_bits, check_codes, check_numel, check_packed
-from ._dispatch import Impl, use_kernel
+from ._dispatch import Impl, dispatch, use_kernel
 from .reference import (
     pack_bits_ref,
     sign_pack_ref,
@@ -40,9 +40,7 @@ def pack_bits(codes: torch.Tensor, bits: int, *, impl: Impl = "auto") -> torch.T
     """
     check_bits(bits, op="pack_bits")
     check_codes(codes, bits, op="pack_bits")
-    if use_kernel(impl, codes.device):
-        return torch.ops.torchstash.pack_bits(codes, bits)
-    return pack_bits_ref(codes, bits)
+    return dispatch("pack_bits", impl, codes.device, pack_bits_ref, codes, bits)
 
 
 def unpack_bits(
@@ -52,9 +50,7 @@ def unpack_bits(
     check_bits(bits, op="unpack_bits")
     check_numel(numel, op="unpack_bits")
     check_packed(packed, bits, numel, op="unpack_bits")
-    if use_kernel(impl, packed.device):
-        return torch.ops.torchstash.unpack_bits(packed, bits, numel)
-    return unpack_bits_ref(packed, bits, numel)
+    return dispatch("unpack_bits", impl, packed.device, unpack_bits_ref, packed, bits, numel)
 
 
 def pack_mask(mask: torch.Tensor, *, impl: Impl = "auto") -> torch.Tensor:
@@ -82,10 +78,7 @@ def sign_pack(x: torch.Tensor, *, impl: Impl = "auto") -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or x.dtype not in SIGN_DTYPES:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"sign_pack: x must be a float tensor, got {got}")
-    if use_kernel(impl, x.device):
-        out: torch.Tensor = torch.ops.torchstash.sign_pack(x)
-        return out
-    return sign_pack_ref(x)
+    return dispatch("sign_pack", impl, x.device, sign_pack_ref, x)
 
 
 def sign_unpack(
@@ -97,10 +90,7 @@ def sign_unpack(
     check_packed(packed, 1, numel, op="sign_unpack")
     if dtype not in SIGN_DTYPES:
         raise TypeError(f"sign_unpack: dtype must be a float dtype, got {dtype}")
-    if use_kernel(impl, packed.device):
-        out: torch.Tensor = torch.ops.torchstash.sign_unpack(packed, numel, dtype)
-        return out
-    return sign_unpack_ref(packed, numel, dtype)
+    return dispatch("sign_unpack", impl, packed.device, sign_unpack_ref, packed, numel, dtype)
 
 
 def sign_select(grad: torch.Tensor, packed: torch.Tensor, *, impl: Impl = "auto") -> torch.Tensor:

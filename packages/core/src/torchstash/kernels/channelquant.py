@@ -28,7 +28,7 @@ from ._checks import (
     check_tensor,
     check_u64,
 )
-from ._dispatch import Impl, use_kernel
+from ._dispatch import Impl, dispatch, use_kernel
 from .channelquant_reference import (
     channel_dequantize_ref,
     channel_minmax_ref,
@@ -90,10 +90,7 @@ def channel_minmax(
     check_count(inner, "inner", op=op, hint=_INNER_HINT)
     check_count(channels, "channels", op=op, hint="one per head or channel")
     _check_layout(x.numel(), inner, channels, "x", op=op)
-    if use_kernel(impl, x.device):
-        mn, mx = torch.ops.torchstash.channel_minmax(x, inner, channels)
-        return mn, mx
-    return channel_minmax_ref(x, inner, channels)
+    return dispatch("channel_minmax", impl, x.device, channel_minmax_ref, x, inner, channels)
 
 
 def channel_quantize(
@@ -143,7 +140,5 @@ def channel_dequantize(
     channels = _check_params(lo, step, codes, "codes", op=op)
     _check_layout(codes.numel(), inner, channels, "codes", op=op)
     check_float_dtype(dtype, "dtype", op=op)
-    if use_kernel(impl, codes.device):
-        out: torch.Tensor = torch.ops.torchstash.channel_dequantize(codes, lo, step, inner, dtype)
-        return out
-    return channel_dequantize_ref(codes, lo, step, inner, dtype)
+    args = (codes, lo, step, inner, dtype)
+    return dispatch("channel_dequantize", impl, codes.device, channel_dequantize_ref, *args)

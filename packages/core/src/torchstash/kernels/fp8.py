@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import FLOAT_DTYPES, check_float_tensor, check_group_size
-from ._dispatch import Impl, use_kernel
+from ._dispatch import Impl, dispatch
 from .fp8_reference import fp8_dequantize_ref, fp8_quantize_ref
 
 __all__ = ["fp8_dequantize", "fp8_quantize"]
@@ -27,10 +27,7 @@ def fp8_quantize(
     op = "fp8_quantize"
     check_group_size(group_size, op=op)
     check_float_tensor(x, "x", op=op)
-    if use_kernel(impl, x.device):
-        codes, scale = torch.ops.torchstash.fp8_quantize(x, group_size)
-        return codes, scale
-    return fp8_quantize_ref(x, group_size)
+    return dispatch("fp8_quantize", impl, x.device, fp8_quantize_ref, x, group_size)
 
 
 def fp8_dequantize(
@@ -51,9 +48,5 @@ def fp8_dequantize(
         raise ValueError(f"{op}: codes must be 1-D uint8 of {numel} codes, got {got}")
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"{op}: dtype must be float32, float16 or bfloat16, got {dtype}")
-    if use_kernel(impl, codes.device):
-        out: torch.Tensor = torch.ops.torchstash.fp8_dequantize(
-            codes, scale, group_size, numel, dtype
-        )
-        return out
-    return fp8_dequantize_ref(codes, scale, group_size, numel, dtype)
+    args = (codes, scale, group_size, numel, dtype)
+    return dispatch("fp8_dequantize", impl, codes.device, fp8_dequantize_ref, *args)

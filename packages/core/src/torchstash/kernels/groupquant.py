@@ -111,8 +111,9 @@ def group_dequantize(
         _check_group_params(lo, "lo", groups, packed, op=op)
         _check_group_params(step, "step", groups, packed, op=op)
         check_float_dtype(dtype, "dtype", op=op)
-    if use_kernel(impl, packed.device):
-        return torch.ops.torchstash.group_dequantize(
+    if use_kernel(impl, packed.device):  # the codes' hot path: no dispatch() frame
+        out: torch.Tensor = torch.ops.torchstash.group_dequantize(
             packed, lo, step, bits, group_size, numel, dtype
         )
+        return out
     return group_dequantize_ref(packed, lo, step, bits, group_size, numel, dtype)

@@ -118,7 +118,7 @@ def row_group_dequantize(
     op = "row_group_dequantize"
     check_bits(bits, op=op)
     check_float_dtype(dtype, "dtype", op=op)
-    if use_kernel(impl, packed.device):
+    if use_kernel(impl, packed.device):  # the codes' hot path: no dispatch() frame
         out: torch.Tensor = torch.ops.torchstash.row_group_dequantize(
             packed, lo, step, offsets, constant, bits, group_size, run, numel, dtype
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_count, check_flag, check_float_tensor, check_numel, check_packed
-from ._dispatch import Impl, use_kernel
+from ._dispatch import Impl, dispatch
 from .sparse_reference import (
     OFFSET_BLOCK,
     mask_compact_ref,
@@ -69,10 +69,7 @@ def topk_mask(
     check_count(k, "k", op=op, low=0)
     _check_segments(x.numel(), segments, k, op=op)
     check_flag(exact, "exact", op=op)
-    if use_kernel(impl, x.device):
-        mask: torch.Tensor = torch.ops.torchstash.topk_mask(x, segments, k, exact)
-        return mask
-    return topk_mask_ref(x, segments, k, exact)
+    return dispatch("topk_mask", impl, x.device, topk_mask_ref, x, segments, k, exact)
 
 
 def mask_compact(
@@ -84,10 +81,7 @@ def mask_compact(
     packed = _check_mask(packed, x.numel(), op=op)
     _check_same_device(x, packed, "x and the mask", op=op)
     check_count(kept, "kept", op=op, low=0)
-    if use_kernel(impl, x.device):
-        values: torch.Tensor = torch.ops.torchstash.mask_compact(x, packed, kept)
-        return values
-    return mask_compact_ref(x, packed, kept)
+    return dispatch("mask_compact", impl, x.device, mask_compact_ref, x, packed, kept)
 
 
 def mask_scatter(
@@ -101,10 +95,7 @@ def mask_scatter(
     _check_same_device(values, packed, "values and the mask", op=op)
     if values.dim() != 1:
         raise ValueError(f"{op}: values must be 1-D, got shape {tuple(values.shape)}")
-    if use_kernel(impl, values.device):
-        out: torch.Tensor = torch.ops.torchstash.mask_scatter(packed, values, numel)
-        return out
-    return mask_scatter_ref(packed, values, numel)
+    return dispatch("mask_scatter", impl, values.device, mask_scatter_ref, packed, values, numel)
 
 
 def mask_offsets(
@@ -116,10 +107,7 @@ def mask_offsets(
     check_numel(numel, op=op)
     packed = _check_mask(packed, numel, op=op)
     check_count(kept, "kept", op=op, low=0)
-    if use_kernel(impl, packed.device):
-        offsets, counts = torch.ops.torchstash.mask_offsets(packed, numel, kept)
-        return offsets, counts
-    return mask_offsets_ref(packed, numel, kept)
+    return dispatch("mask_offsets", impl, packed.device, mask_offsets_ref, packed, numel, kept)
 
 
 def offsets_scatter(
@@ -152,7 +140,5 @@ def offsets_scatter(
         )
     for t, name in ((offsets, "offsets"), (counts, "counts")):
         _check_same_device(values, t, f"values and {name}", op=op)
-    if use_kernel(impl, values.device):
-        out: torch.Tensor = torch.ops.torchstash.offsets_scatter(offsets, counts, values, numel)
-        return out
-    return offsets_scatter_ref(offsets, counts, values, numel)
+    args = (offsets, counts, values, numel)
+    return dispatch("offsets_scatter", impl, values.device, offsets_scatter_ref, *args)
