@@ -142,11 +142,9 @@ def _row_parts(a: Args) -> tuple[torch.Tensor, torch.Tensor]:
     return _empty(a.x, rows, torch.float32), _empty(a.x, (rows + 7) // 8, torch.uint8)
 
 
-def _values(a: Args, like: str, numel: str = "numel") -> torch.Tensor:
-    """``numel`` values of ``dtype`` (``numel`` an argument's value, or a tensor's size)."""
-    t = getattr(a, like)
-    n = getattr(a, numel) if numel != "like" else t.numel()
-    return _empty(t, n, a.dtype)
+def _values(a: Args, like: str) -> torch.Tensor:
+    """``a.numel`` values of ``a.dtype``, on ``like``'s device."""
+    return _empty(getattr(a, like), a.numel, a.dtype)
 
 
 _GROUP_DECODE = (_bits, _dtype("packed", torch.uint8), _float("dtype"))
@@ -181,7 +179,7 @@ FAKES: dict[str, Fake] = {
             _count("inner"),
             _float("dtype"),
         ),
-        lambda a: _values(a, "codes", "like"),
+        lambda a: _empty(a.codes, a.codes.numel(), a.dtype),
     ),
     "row_center": Fake(
         (_float("x"), _count("run")),
@@ -193,7 +191,7 @@ FAKES: dict[str, Fake] = {
     ),
     "row_uncenter": Fake(
         (_dtype("decoded", torch.float32), _count("run"), _float("dtype")),
-        lambda a: _values(a, "decoded", "like"),
+        lambda a: _empty(a.decoded, a.decoded.numel(), a.dtype),
     ),
     "row_group_quantize": Fake(
         (_count("run"), _bits, _count("group_size"), _float("x")),
