@@ -176,6 +176,35 @@ def replaying(model: nn.Module, x: torch.Tensor) -> Iterator[torchstash.Handle]:
         yield handle
 
 
+def test_a_replayed_forward_that_raises_leaves_no_hook_behind() -> None:
+    class Fails(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+            self.fail = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.sin(self.fc(x))
+            if self.fail:
+                raise ValueError("boom")
+            return h
+
+    stock, model = pair(Fails)
+    x = torch.randn(4, 16)
+    with replaying(model, x) as handle:
+        model.fail = True
+        with pytest.raises(ValueError, match="boom"):
+            model(x)
+        assert not handle.engine.active
+        # no saved-tensor hook of the engine's is left on: stock code outside saves as stock
+        y = torch.randn(4, requires_grad=True)
+        saved = torch.sin(y)
+        assert saved.grad_fn._saved_self is y  # a hook would have handed back its own tensor
+        model.fail = False
+        same_as_stock(stock, model, x)
+        assert handle.engine.replayer.replayed >= 2
+
+
 def test_an_in_place_change_after_a_replayed_save_is_an_error() -> None:
     class Changes(nn.Module):
         def __init__(self) -> None:
