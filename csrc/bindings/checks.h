@@ -84,6 +84,16 @@ inline groupquant::FloatKind check_group_quantize(const at::Tensor& x, std::int6
   return float_kind("group_quantize", "x", x.scalar_type());
 }
 
+// A traced seed: a 0-dim int64 tensor holding the seed's 64 bits, on the CPU or on `device`.
+inline void check_seed_tensor(const char* op, const at::Tensor& seed, const c10::Device& device) {
+  TORCH_CHECK_VALUE(seed.scalar_type() == at::kLong && seed.dim() == 0, "torchstash::", op,
+                    ": a seed tensor must be a 0-dim int64 tensor, got ", seed.scalar_type(), " of ", seed.dim(),
+                    " dimension(s); make it with torch.tensor(as_int64(seed))");
+  TORCH_CHECK_VALUE(seed.device().is_cpu() || seed.device() == device, "torchstash::", op,
+                    ": the seed tensor is on ", seed.device(), " but x is on ", device,
+                    "; keep it on the CPU or on x's device");
+}
+
 // Shapes and dtypes of what group_quantize returned; the output dtype's kind.
 inline groupquant::FloatKind check_group_dequantize(const at::Tensor& packed, const at::Tensor& lo,
                                                     const at::Tensor& step, std::int64_t bits,

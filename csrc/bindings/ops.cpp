@@ -110,6 +110,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_quantize_cpu(const at::Tens
   return {packed, lo, step};
 }
 
+// The overload a compiled graph calls: its seed is a tensor (a graph input or drawn in the
+// graph), read here on the host.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_quantize_seeded_cpu(const at::Tensor& x, std::int64_t bits,
+                                                                         std::int64_t group_size,
+                                                                         const at::Tensor& seed, bool stochastic) {
+  bindings::check_seed_tensor("group_quantize", seed, x.device());
+  return group_quantize_cpu(x, bits, group_size, seed.item<std::int64_t>(), stochastic);
+}
+
 at::Tensor group_dequantize_cpu(const at::Tensor& packed, const at::Tensor& lo, const at::Tensor& step,
                                 std::int64_t bits, std::int64_t group_size, std::int64_t numel,
                                 at::ScalarType dtype) {
@@ -403,6 +412,9 @@ TORCH_LIBRARY(torchstash, m) {
   m.def("philox_uniform(Tensor(a!) out, int seed, int offset) -> ()");
   m.def("group_quantize(Tensor x, int bits, int group_size, int seed, bool stochastic) -> (Tensor, Tensor, Tensor)");
   m.def(
+      "group_quantize.seeded(Tensor x, int bits, int group_size, Tensor seed, bool stochastic) -> "
+      "(Tensor, Tensor, Tensor)");
+  m.def(
       "group_dequantize(Tensor packed, Tensor lo, Tensor step, int bits, int group_size, int numel, "
       "ScalarType dtype) -> Tensor");
   m.def("channel_minmax(Tensor x, int inner, int channels) -> (Tensor, Tensor)");
@@ -436,6 +448,7 @@ TORCH_LIBRARY_IMPL(torchstash, CPU, m) {
   m.impl("unpack_bits", &torchstash::unpack_bits_cpu);
   m.impl("philox_uniform", &torchstash::philox_uniform_cpu);
   m.impl("group_quantize", &torchstash::group_quantize_cpu);
+  m.impl("group_quantize.seeded", &torchstash::group_quantize_seeded_cpu);
   m.impl("group_dequantize", &torchstash::group_dequantize_cpu);
   m.impl("channel_minmax", &torchstash::channel_minmax_cpu);
   m.impl("channel_quantize", &torchstash::channel_quantize_cpu);

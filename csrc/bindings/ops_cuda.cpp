@@ -47,9 +47,11 @@ void philox_uniform_cuda(const at::Tensor& out, std::int64_t seed, std::int64_t 
                                              static_cast<std::uint64_t>(offset), current_stream()));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> group_quantize_cuda(const at::Tensor& x, std::int64_t bits,
-                                                                   std::int64_t group_size, std::int64_t seed,
-                                                                   bool stochastic) {
+namespace {
+// `seed_at`: a device int64 holding the seed (a compiled graph's), read by the kernel.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_quantize_at(const at::Tensor& x, std::int64_t bits,
+                                                                 std::int64_t group_size, std::int64_t seed,
+                                                                 const std::int64_t* seed_at, bool stochastic) {
   const c10::cuda::CUDAGuard guard(x.device());
   const groupquant::FloatKind kind = bindings::check_group_quantize(x, bits, group_size);
   const at::Tensor c = x.contiguous();
@@ -62,8 +64,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_quantize_cuda(const at::Ten
       c.const_data_ptr(), kind, n, static_cast<int>(bits), bindings::kernel_group_size(group_size, n),
       static_cast<std::uint64_t>(seed), stochastic, packed.mutable_data_ptr<std::uint8_t>(),
       static_cast<std::uint16_t*>(lo.mutable_data_ptr()), static_cast<std::uint16_t*>(step.mutable_data_ptr()),
-      current_stream()));
+      current_stream(), seed_at));
   return {packed, lo, step};
+}
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_quantize_cuda(const at::Tensor& x, std::int64_t bits,
+                                                                   std::int64_t group_size, std::int64_t seed,
+                                                                   bool stochastic) {
+  return group_quantize_at(x, bits, group_size, seed, nullptr, stochastic);
+}
+
+// A seed tensor on the CPU is read on the host; one on x's device by the kernel (no sync).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_quantize_seeded_cuda(const at::Tensor& x, std::int64_t bits,
+                                                                          std::int64_t group_size,
+                                                                          const at::Tensor& seed, bool stochastic) {
+  bindings::check_seed_tensor("group_quantize", seed, x.device());
+  if (seed.device().is_cpu()) return group_quantize_at(x, bits, group_size, seed.item<std::int64_t>(), nullptr,
+                                                       stochastic);
+  return group_quantize_at(x, bits, group_size, 0, seed.const_data_ptr<std::int64_t>(), stochastic);
 }
 
 at::Tensor group_dequantize_cuda(const at::Tensor& packed, const at::Tensor& lo, const at::Tensor& step,
@@ -326,6 +345,7 @@ TORCH_LIBRARY_IMPL(torchstash, CUDA, m) {
   m.impl("unpack_bits", &torchstash::unpack_bits_cuda);
   m.impl("philox_uniform", &torchstash::philox_uniform_cuda);
   m.impl("group_quantize", &torchstash::group_quantize_cuda);
+  m.impl("group_quantize.seeded", &torchstash::group_quantize_seeded_cuda);
   m.impl("group_dequantize", &torchstash::group_dequantize_cuda);
   m.impl("channel_minmax", &torchstash::channel_minmax_cuda);
   m.impl("channel_quantize", &torchstash::channel_quantize_cuda);

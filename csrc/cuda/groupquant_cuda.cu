@@ -44,8 +44,11 @@ __host__ __device__ constexpr int unit_elems() {
 
 template <typename T, int BITS>
 __global__ void quantize_kernel(const T* __restrict__ x, index_t n, index_t group_size, index_t run,
-                                std::uint64_t seed, bool stochastic, std::uint8_t* __restrict__ packed,
-                                std::uint16_t* __restrict__ lo, std::uint16_t* __restrict__ step) {
+                                std::uint64_t seed, const std::int64_t* __restrict__ seed_at, bool stochastic,
+                                std::uint8_t* __restrict__ packed, std::uint16_t* __restrict__ lo,
+                                std::uint16_t* __restrict__ step) {
+  // A traced seed lives in device memory (a compiled graph draws it): read here, no host sync.
+  if (seed_at != nullptr) seed = static_cast<std::uint64_t>(*seed_at);
   constexpr int per = 8 / BITS;
   constexpr int unit = unit_elems<BITS>();
   __shared__ Params params[kWarpsPerBlock][kMaxRun];
@@ -138,24 +141,25 @@ __global__ void dequantize_kernel(const std::uint8_t* __restrict__ packed, const
 }
 
 template <typename T, int BITS>
-cudaError_t quantize_as(const void* x, index_t n, index_t group_size, std::uint64_t seed, bool stochastic,
-                        std::uint8_t* packed, std::uint16_t* lo, std::uint16_t* step, cudaStream_t stream) {
+cudaError_t quantize_as(const void* x, index_t n, index_t group_size, std::uint64_t seed,
+                        const std::int64_t* seed_at, bool stochastic, std::uint8_t* packed, std::uint16_t* lo,
+                        std::uint16_t* step, cudaStream_t stream) {
   const index_t run = groupquant::byte_aligned_groups(group_size, BITS);
   const index_t runs = ceil_div(ceil_div(n, group_size), run);
   quantize_kernel<T, BITS><<<grid_for(runs * kWarp), kThreads, 0, stream>>>(
-      static_cast<const T*>(x), n, group_size, run, seed, stochastic, packed, lo, step);
+      static_cast<const T*>(x), n, group_size, run, seed, seed_at, stochastic, packed, lo, step);
   return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t quantize_bits(const void* x, index_t n, int bits, index_t group_size, std::uint64_t seed,
-                          bool stochastic, std::uint8_t* packed, std::uint16_t* lo, std::uint16_t* step,
-                          cudaStream_t stream) {
+                          const std::int64_t* seed_at, bool stochastic, std::uint8_t* packed, std::uint16_t* lo,
+                          std::uint16_t* step, cudaStream_t stream) {
   switch (bits) {
-    case 1: return quantize_as<T, 1>(x, n, group_size, seed, stochastic, packed, lo, step, stream);
-    case 2: return quantize_as<T, 2>(x, n, group_size, seed, stochastic, packed, lo, step, stream);
-    case 4: return quantize_as<T, 4>(x, n, group_size, seed, stochastic, packed, lo, step, stream);
-    case 8: return quantize_as<T, 8>(x, n, group_size, seed, stochastic, packed, lo, step, stream);
+    case 1: return quantize_as<T, 1>(x, n, group_size, seed, seed_at, stochastic, packed, lo, step, stream);
+    case 2: return quantize_as<T, 2>(x, n, group_size, seed, seed_at, stochastic, packed, lo, step, stream);
+    case 4: return quantize_as<T, 4>(x, n, group_size, seed, seed_at, stochastic, packed, lo, step, stream);
+    case 8: return quantize_as<T, 8>(x, n, group_size, seed, seed_at, stochastic, packed, lo, step, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -184,16 +188,17 @@ cudaError_t dequantize_bits(const std::uint8_t* packed, const std::uint16_t* lo,
 
 cudaError_t launch_group_quantize(const void* x, groupquant::FloatKind kind, index_t n, int bits,
                                   index_t group_size, std::uint64_t seed, bool stochastic, std::uint8_t* packed,
-                                  std::uint16_t* lo, std::uint16_t* step, cudaStream_t stream) {
+                                  std::uint16_t* lo, std::uint16_t* step, cudaStream_t stream,
+                                  const std::int64_t* seed_at) {
   if (n <= 0) return cudaSuccess;
   if (group_size <= 0) return cudaErrorInvalidValue;
   switch (kind) {
     case groupquant::FloatKind::kFloat32:
-      return quantize_bits<float>(x, n, bits, group_size, seed, stochastic, packed, lo, step, stream);
+      return quantize_bits<float>(x, n, bits, group_size, seed, seed_at, stochastic, packed, lo, step, stream);
     case groupquant::FloatKind::kFloat16:
-      return quantize_bits<__half>(x, n, bits, group_size, seed, stochastic, packed, lo, step, stream);
+      return quantize_bits<__half>(x, n, bits, group_size, seed, seed_at, stochastic, packed, lo, step, stream);
     case groupquant::FloatKind::kBFloat16:
-      return quantize_bits<__nv_bfloat16>(x, n, bits, group_size, seed, stochastic, packed, lo, step, stream);
+      return quantize_bits<__nv_bfloat16>(x, n, bits, group_size, seed, seed_at, stochastic, packed, lo, step, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -32,10 +32,12 @@ cudaError_t launch_philox_uniform(float* out, index_t n, std::uint64_t seed, std
 
 // Fused per-group quantization of x[0, n) (float32, __half or __nv_bfloat16, per `kind`):
 // packed[0, ceil(n * bits / 8)) <- the codes, lo/step[0, ceil(n / group_size)) <- the
-// bfloat16 bit patterns of each group's lo and signed step; see groupquant.h.
+// bfloat16 bit patterns of each group's lo and signed step; see groupquant.h. `seed_at`, when
+// given, is a device int64 the kernel reads the seed's 64 bits from (a compiled graph's seed).
 cudaError_t launch_group_quantize(const void* x, groupquant::FloatKind kind, index_t n, int bits,
                                   index_t group_size, std::uint64_t seed, bool stochastic, std::uint8_t* packed,
-                                  std::uint16_t* lo, std::uint16_t* step, cudaStream_t stream);
+                                  std::uint16_t* lo, std::uint16_t* step, cudaStream_t stream,
+                                  const std::int64_t* seed_at = nullptr);
 
 // out[0, n) (float32, __half or __nv_bfloat16 per `kind`) <- the values group_quantize encoded.
 cudaError_t launch_group_dequantize(const std::uint8_t* packed, const std::uint16_t* lo, const std::uint16_t* step,

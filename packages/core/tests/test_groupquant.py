@@ -529,6 +529,85 @@ def test_torch_compile_traces_the_ops(built: None) -> None:
     assert torch.equal(compiled(x), roundtrip(x))
 
 
+# --------------------------------------------------------------------------- a traced seed
+
+
+def _seed(value: int) -> torch.Tensor:
+    return torch.tensor(value - 2**64 if value >= 2**63 else value, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_the_seeded_overload_draws_what_the_int_seed_draws(built: None, bits: int) -> None:
+    """``group_quantize.seeded`` (a 0-dim int64 tensor for the seed, what a compiled graph
+    passes) gives the int seed's codes bit for bit, and the reference's with that tensor."""
+    x = _data(37 * 41, 16, seed=bits)
+    for seed in (0, 5, 2**63 - 1, 2**63 + 5, 2**64 - 1):
+        want = group_quantize(x, bits, 16, seed=seed, impl="kernel")
+        for impl in ("kernel", "ref"):
+            got = group_quantize(x, bits, 16, seed=_seed(seed), impl=impl)
+            for a, b in zip(got, want, strict=True):
+                assert_bits_equal(a, b)
+
+
+def test_a_seed_tensor_on_the_data_s_device_is_read_without_a_host_sync(
+    kernel: None, device: torch.device
+) -> None:
+    """On a GPU the kernel reads a device seed (a compiled graph's) itself: no host sync, and
+    the codes the CPU kernel gives with that seed as an int."""
+    x = _data(4099, 64, seed=3)
+    want = group_quantize(x, 4, 64, seed=2**63 + 5, impl="kernel")
+    seed = _seed(2**63 + 5).to(device)
+    xd = x.to(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = group_quantize(xd, 4, 64, seed=seed, impl="kernel", checked=False)
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(got, want, strict=True):
+        assert_bits_equal(a.cpu(), b)
+
+
+def test_opcheck_seeded(built: None) -> None:
+    x = _data(37 * 3, 16, seed=1)
+    for a in [(x, 4, 16, _seed(5), True), (x.half().view(3, 37).t(), 2, 7, _seed(2**64 - 1), True)]:
+        torch.library.opcheck(torch.ops.torchstash.group_quantize.seeded, a)
+
+
+def test_a_compiled_graph_takes_its_seed_as_an_input_and_draws_it_each_call(built: None) -> None:
+    """Compiled with its seed an input, the kernel gives the int seed's codes for every seed
+    with one compilation; a seed drawn inside the graph (``torch.randint``) is a new one each
+    call, so a compiled step never rounds with the same draws twice."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    frames = CompileCounterWithBackend("aot_eager")
+
+    def code(x: torch.Tensor, seed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.ops.torchstash.group_quantize.seeded(x, 4, 64, seed, True)
+
+    compiled = torch.compile(code, backend=frames, fullgraph=True)
+    x = _data(1001, 64, seed=6)
+    for seed in (3, 2**63 + 5, 2**64 - 1):
+        got = compiled(x, _seed(seed))
+        for a, b in zip(got, group_quantize(x, 4, 64, seed=seed, impl="kernel"), strict=True):
+            assert_bits_equal(a, b)
+    assert frames.frame_count == 1
+
+    def drawn(x: torch.Tensor) -> torch.Tensor:
+        seed = torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64)
+        return torch.ops.torchstash.group_quantize.seeded(x, 4, 64, seed, True)[0]
+
+    step = torch.compile(drawn, backend="inductor", fullgraph=True)
+    torch.manual_seed(0)
+    first, second = step(x), step(x)
+    assert not torch.equal(first, second)  # new draws each call
+    torch.manual_seed(0)
+    assert torch.equal(step(x), first)  # and torch's generator decides them
+
+
 # --------------------------------------------------------------------------- dispatch
 
 

@@ -26,6 +26,12 @@ CENTERED, OFFSETS, CONSTANT, _ = K.row_center(X, 64, impl="ref")
 SIGNS = K.sign_pack(X, impl="ref")
 
 
+def op_named(name: str) -> Any:
+    """The op ``name`` names: ``op`` or ``op.overload``."""
+    op, _, overload = name.partition(".")
+    return getattr(getattr(ops, op), overload or "default")
+
+
 @dataclass(frozen=True)
 class Case:
     """One op: its C++ arguments, the dispatcher that takes the same ones, and which
@@ -43,6 +49,17 @@ CASES = [
         (X, 4, 64, 1, True),
         lambda x, b, g, s, st: K.group_quantize(x, b, g, seed=s, stochastic=st, impl="kernel"),
         {0: ("x", X.int()), 1: ("bits", 3), 2: ("group_size", 0)},
+    ),
+    Case(
+        "group_quantize.seeded",
+        (X, 4, 64, torch.tensor(1), True),
+        lambda x, b, g, s, st: K.group_quantize(x, b, g, seed=s, stochastic=st, impl="kernel"),
+        {
+            0: ("x", X.int()),
+            1: ("bits", 3),
+            2: ("group_size", 0),
+            3: ("seed", torch.tensor([1])),
+        },
     ),
     Case(
         "group_dequantize",
@@ -139,10 +156,10 @@ def _with(case: Case, position: int) -> tuple[Any, ...]:
 def test_the_valid_call_runs_in_all_three(case: Case) -> None:
     """The broken calls below fail for their broken argument, not for the rest."""
     case.dispatcher(*case.args)
-    getattr(ops, case.op)(*case.args)
+    op_named(case.op)(*case.args)
     with FakeTensorMode() as mode:
         fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in case.args]
-        getattr(ops, case.op)(*fakes)
+        op_named(case.op)(*fakes)
 
 
 @pytest.mark.usefixtures("compiled")
@@ -155,10 +172,10 @@ def test_a_broken_argument_is_refused_by_all_three(case: Case, position: int) ->
     with pytest.raises((TypeError, ValueError), match=rf"\b{name}\b"):
         case.dispatcher(*args)
     with pytest.raises((TypeError, ValueError, RuntimeError), match=rf"\b{name}\b"):
-        getattr(ops, case.op)(*args)
+        op_named(case.op)(*args)
     with FakeTensorMode() as mode, pytest.raises(RuntimeError, match=rf"\b{name}\b"):
         fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        getattr(ops, case.op)(*fakes)
+        op_named(case.op)(*fakes)
 
 
 def test_every_op_the_library_defines_has_a_fake_kernel() -> None:
@@ -172,7 +189,7 @@ def test_every_op_the_library_defines_has_a_fake_kernel() -> None:
     root, reason = loader.find_csrc()
     if root is None:
         pytest.skip(f"no kernel sources: {reason}")
-    defined = re.findall(r'm\.def\(\s*"(\w+)\(', (root / "bindings" / "ops.cpp").read_text())
+    defined = re.findall(r'm\.def\(\s*"([\w.]+)\(', (root / "bindings" / "ops.cpp").read_text())
     assert defined and sorted(defined) == sorted(_meta.FAKES)
     assert all(callable(_meta.kernel(name)) for name in _meta.FAKES)
 

@@ -150,13 +150,19 @@ def check_u64(value: int, name: str, *, op: str) -> int:
     return value
 
 
-def check_seed(seed: object, *, op: str) -> None:
-    """An int in [0, 2**64), or a 0-dim int64 tensor holding one's 64 bits (a traced seed)."""
+def check_seed(seed: object, *, op: str, device: torch.device | None = None) -> None:
+    """An int in [0, 2**64), or a 0-dim int64 tensor holding one's 64 bits (a traced seed),
+    on the CPU or on ``device`` (the data's)."""
     if isinstance(seed, torch.Tensor):
         if seed.dtype != torch.int64 or seed.dim() != 0:
             raise ValueError(
                 f"{op}: a seed tensor must be a 0-dim int64 tensor, got {seed.dtype} of shape "
                 f"{tuple(seed.shape)}; make it with torch.tensor(as_int64(seed))"
+            )
+        if device is not None and seed.device.type != "cpu" and seed.device != device:
+            raise ValueError(
+                f"{op}: the seed tensor is on {seed.device} but x is on {device}; keep it on "
+                "the CPU or on x's device"
             )
         return
     check_u64(seed, "seed", op=op)  # type: ignore[arg-type]

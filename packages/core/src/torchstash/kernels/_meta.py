@@ -89,6 +89,22 @@ def _codes(a: Args) -> None:
     )
 
 
+def _seed_tensor(a: Args) -> None:
+    """A traced seed: a 0-dim int64 tensor on the CPU or on ``x``'s device."""
+    seed = a.seed
+    torch._check(
+        seed.dtype == torch.int64 and seed.dim() == 0,
+        lambda: (
+            f"a seed tensor must be a 0-dim int64 tensor, got {seed.dtype} of shape "
+            f"{tuple(seed.shape)}"
+        ),
+    )
+    torch._check(
+        seed.device.type == "cpu" or seed.device == a.x.device,
+        lambda: f"the seed tensor is on {seed.device} but x is on {a.x.device}",
+    )
+
+
 def _level_bits(a: Args) -> None:
     torch._check(a.bits in (2, 4, 8), lambda: f"bits must be 2, 4 or 8, got {a.bits}")
 
@@ -159,6 +175,9 @@ FAKES: dict[str, Fake] = {
     ),
     "philox_uniform": Fake((_dtype("out", torch.float32),), lambda a: None),
     "group_quantize": Fake((_bits, _count("group_size"), _float("x")), _group_codes),
+    "group_quantize.seeded": Fake(
+        (_bits, _count("group_size"), _float("x"), _seed_tensor), _group_codes
+    ),
     "group_dequantize": Fake(_GROUP_DECODE, lambda a: _values(a, "packed")),
     "channel_minmax": Fake(
         (_float("x"), _count("inner"), _count("channels")),
@@ -248,11 +267,18 @@ FAKES: dict[str, Fake] = {
 }
 
 
+def _overload(name: str) -> Any:
+    """The op overload ``name`` names: ``op`` (its default) or ``op.overload``."""
+    op, _, overload = name.partition(".")
+    return getattr(getattr(torch.ops.torchstash, op), overload or "default")
+
+
 def kernel(name: str) -> Callable[..., Any]:
-    """The fake kernel of op ``name``: the traced call bound to its schema's argument names,
-    checked by its rules, answered with its outputs' shapes and dtypes."""
+    """The fake kernel of op ``name`` (``op`` or ``op.overload``): the traced call bound to its
+    schema's argument names, checked by its rules, answered with its outputs' shapes and
+    dtypes."""
     fake = FAKES[name]
-    names = [arg.name for arg in getattr(torch.ops.torchstash, name).default._schema.arguments]
+    names = [arg.name for arg in _overload(name)._schema.arguments]
 
     def run(*args: Any, **kwargs: Any) -> Any:
         a = Args(**dict(zip(names, args, strict=False)), **kwargs)
@@ -260,13 +286,13 @@ def kernel(name: str) -> Callable[..., Any]:
             rule(a)
         return fake.outputs(a)
 
-    run.__name__ = run.__qualname__ = f"{name}_fake"
+    run.__name__ = run.__qualname__ = f"{name.replace('.', '_')}_fake"
     return run
 
 
 def _op_defined(name: str) -> bool:
     try:
-        getattr(torch.ops.torchstash, name).default  # noqa: B018
+        _overload(name)
     except (AttributeError, RuntimeError):
         return False
     return True

@@ -22,11 +22,12 @@ from ._checks import (
     check_group_size,
     check_numel,
     check_packed,
+    check_seed,
     check_tensor,
-    check_u64,
 )
 from ._dispatch import Impl, use_kernel
 from .groupquant_reference import group_dequantize_ref, group_quantize_ref, group_steps, num_groups
+from .reference import Seed
 
 __all__ = ["FLOAT_DTYPES", "group_dequantize", "group_quantize", "group_steps"]
 
@@ -56,7 +57,7 @@ def group_quantize(
     bits: int,
     group_size: int = 256,
     *,
-    seed: int,
+    seed: Seed,
     stochastic: bool = True,
     impl: Impl = "auto",
     checked: bool = True,
@@ -66,6 +67,9 @@ def group_quantize(
     ``packed``: 1-D uint8 of ``ceil(numel * bits / 8)`` bytes; ``lo``, ``step``: 1-D bfloat16
     of ``ceil(numel / group_size)`` entries, ``step`` negative for a group holding NaN/Inf.
     ``seed`` in [0, 2**64) picks the rounding uniforms; ``stochastic=False`` rounds to nearest.
+    A 0-dim int64 tensor holding the seed's 64 bits (on the CPU or ``x``'s device) draws the
+    same: a compiled graph's seed, an input or drawn in the graph, not a constant (the
+    kernel's ``seeded`` overload reads it; on CUDA from device memory, with no host sync).
     ``checked=False`` leaves the arguments to the compiled op's own checks: for a codec that
     built them itself, once per saved tensor (the checks here cost it microseconds).
     """
@@ -74,12 +78,17 @@ def group_quantize(
         check_bits(bits, op=op)
         check_group_size(group_size, op=op)
         check_float_tensor(x, "x", op=op)
-        check_u64(seed, "seed", op=op)
+        check_seed(seed, op=op, device=x.device)
         check_flag(stochastic, "stochastic", op=op)
     if use_kernel(impl, x.device):
-        packed, lo, step = torch.ops.torchstash.group_quantize(
-            x, bits, group_size, as_int64(seed), stochastic
-        )
+        if isinstance(seed, torch.Tensor):
+            packed, lo, step = torch.ops.torchstash.group_quantize.seeded(
+                x, bits, group_size, seed, stochastic
+            )
+        else:
+            packed, lo, step = torch.ops.torchstash.group_quantize(
+                x, bits, group_size, as_int64(seed), stochastic
+            )
         return packed, lo, step
     return group_quantize_ref(x, bits, group_size, seed, stochastic)
 
