@@ -19,10 +19,11 @@ from . import tags
 
 if TYPE_CHECKING:
     from .budget import BudgetPlan
-from .compiling import EagerUnderCompile, compiling, warn_compiled
+from .compiling import EagerUnderCompile, GraphUnderCompile, compiling, warn_compiled
 from .engine import DEFAULT_MIN_BYTES, Engine, ModuleInfo, Tally
 from .engine.replay import Replayer
 from .errors import ApplyError, NothingToRewriteWarning
+from .graphhooks import GraphHooks
 from .packed import storage_base
 from .plan import Plan, Swapped
 from .policy import Policy, Rule, as_policy
@@ -59,10 +60,13 @@ class Handle:
         self._model = weakref.ref(model)
         self.plan = plan
         self.engine = engine
-        self.hooks: list[RemovableHandle | EagerUnderCompile] = []
+        self.hooks: list[RemovableHandle | EagerUnderCompile | GraphUnderCompile] = []
         self.rewrites: list[Rewrite] = []
         self.removed = False
         self.budget: BudgetPlan | None = None  # what apply(budget_mb=...) chose
+        #: the strategy's hooks inside a compiled graph, where its codes trace
+        #: (:mod:`torchstash.graphhooks`); None where the model runs eagerly under compile
+        self.graph: GraphHooks | None = None
 
     @property
     def policy(self) -> Policy:
@@ -300,13 +304,21 @@ def _rewrite(model: nn.Module, plan: Plan, handle: Handle) -> None:
 
 def _install_hooks(model: nn.Module, engine: Engine, handle: Handle) -> None:
     compresses = handle.plan.has_compressors
-    if compresses:
+    infos = list(_infos(model))
+    graphed = compresses and _traces(handle.plan)
+    if graphed:
+        graph = GraphHooks(
+            engine.resolve, engine.min_bytes, _lookup(infos), handle.policy.name, engine.tally
+        )
+        handle.graph = graph
+        handle.hooks.append(GraphUnderCompile(model, graph, engine))
+    elif compresses:
         handle.hooks.append(EagerUnderCompile(model, handle.policy.name))
-    for _, module, info in _infos(model):
+    for _, module, info in infos:
 
         def pre(m: nn.Module, args: Any, info: ModuleInfo = info) -> None:
-            if compiling():  # traced past the eager fallback, or a rewrite-only plan
-                if compresses:
+            if compiling():  # traced: in the graph (its hooks), past the eager fallback, or
+                if compresses and not graphed:  # a rewrite-only plan
                     warn_compiled(model, "traced")
                 return
             engine.enter_module(info, m)
@@ -318,6 +330,32 @@ def _install_hooks(model: nn.Module, engine: Engine, handle: Handle) -> None:
 
         handle.hooks.append(module.register_forward_pre_hook(pre))
         handle.hooks.append(module.register_forward_hook(post, always_call=True))
+
+
+def _traces(plan: Plan) -> bool:
+    """Whether every compressor of ``plan`` traces into a compiled graph."""
+    return all(
+        getattr(b.compressor, "traceable", False)
+        for b in plan.built.values()
+        if b.compressor is not None
+    )
+
+
+def _lookup(
+    infos: list[tuple[str, nn.Module, ModuleInfo]],
+) -> Callable[[str], tuple[nn.Module, ModuleInfo] | None]:
+    """A model's module by its qualified name, with what the engine knows of it (held
+    weakly: the compiled path's hooks outlive no model)."""
+    found = {name: (weakref.ref(m), info) for name, m, info in infos}
+
+    def lookup(name: str) -> tuple[nn.Module, ModuleInfo] | None:
+        entry = found.get(name)
+        if entry is None:
+            return None
+        module = entry[0]()
+        return None if module is None else (module, entry[1])
+
+    return lookup
 
 
 #: The stash blocks open in the running context. Torch's saved-tensor hooks and the global

@@ -14,6 +14,7 @@ and a script that never applies anything do not pay for it.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from collections.abc import Callable
@@ -152,6 +153,128 @@ class EagerUnderCompile:
         _WARNED.pop(model, None)
 
 
+# -- the compiled path: the strategy inside the graph (torchstash.graphhooks) ------------------
+
+#: an applied model's graph hooks and the engine they stand in for while a compiled call runs
+_GRAPHED: weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def _graph_entry(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # The applied model's ``__call__`` and ``_call_impl`` on the instance: the first frame a
+    # compiled call of it runs. Dynamo skips this frame (see GraphUnderCompile) and compiles
+    # the model's own call below it, with the graph hooks on: they cannot be entered inside
+    # a traced frame, and must be on while the graph runs, where dynamo's guards look for
+    # them. Dynamo would compile any Python frame this one calls: the entry's own work runs
+    # in functions it is told to leave alone (``_ENTRY``).
+    callback = _ENTRY["callback"]()
+    if callback is None or callback is False or self not in _GRAPHED:
+        return nn.Module._call_impl(self, *args, **kwargs)
+    left = _ENTRY["enter"](self, args, kwargs)
+    try:
+        return nn.Module._call_impl(self, *args, **kwargs)
+    finally:
+        _ENTRY["leave"](left)
+
+
+def _enter_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The graph hooks on, the engine aside, for one compiled call of ``model`` (None where
+    a stance runs it eagerly): what :func:`_leave_graph` closes."""
+    if getattr(getattr(torch._dynamo.eval_frame, "_stance", None), "stance", "") == "force_eager":
+        return None
+    hooks, engine = _GRAPHED[model]
+    stack = contextlib.ExitStack()
+    stack.enter_context(hooks.entered(signature(args, kwargs, model.training)))
+    stack.enter_context(engine.in_graph())
+    return stack
+
+
+def signature(args: tuple[Any, ...], kwargs: dict[str, Any], training: bool) -> tuple[Any, ...]:
+    """What a compiled call's saves depend on: its tensors' shapes, dtypes and devices, the
+    model's mode and grad mode."""
+    found: list[Any] = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            found.append((tuple(a.shape), a.dtype, a.device, a.requires_grad))
+    return (tuple(found), tuple(sorted(kwargs)), training, torch.is_grad_enabled())
+
+
+def _leave_graph(left: Any) -> None:
+    if left is not None:
+        left.close()
+
+
+#: the entry and its helpers, made once dynamo is imported (at apply time)
+_ENTRY: dict[str, Callable[..., Any]] = {}
+
+
+def _entry() -> Callable[..., Any]:
+    """:func:`_graph_entry`, its frame skipped by dynamo, and its helpers disabled (imports
+    dynamo: at apply time)."""
+    if not _ENTRY:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+        from torch._dynamo.decorators import skip
+
+        _ENTRY["callback"] = get_eval_frame_callback
+        _ENTRY["enter"] = torch.compiler.disable(_enter_graph)
+        _ENTRY["leave"] = torch.compiler.disable(_leave_graph)
+        _ENTRY["entry"] = skip(_graph_entry)
+    return _ENTRY["entry"]
+
+
+#: per model class, the subclass a model it compiles in the graph takes
+_GRAPHED_CLASSES: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
+
+
+def graphed_class(cls: type) -> type:
+    """As :func:`applied_class`, and where ``cls.forward`` is torch's own (an
+    ``nn.Sequential`` model), a forward of its own that calls it: ``torch.compile`` then
+    starts from the model's ``__call__`` (the graph entry) rather than inlining the call of a
+    torch module from a frame of its own, where the entry would break the graph."""
+    if cls in _GRAPHED_CLASSES.values():
+        return cls
+    sub = _GRAPHED_CLASSES.get(cls)
+    if sub is None:
+        names: dict[str, Any] = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        base_forward = cls.forward  # type: ignore[attr-defined]
+        if getattr(base_forward, "__module__", "").startswith("torch."):
+
+            def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                return base_forward(self, *args, **kwargs)
+
+            names["forward"] = forward
+        sub = _GRAPHED_CLASSES[cls] = type(cls.__name__, (cls,), names)
+    return sub
+
+
+class GraphUnderCompile:
+    """Makes ``model`` run its strategy inside the graph when a compiled function calls it
+    (``torch.compile(model)`` or ``model.compile()``); eager calls are as before. ``remove``
+    undoes it."""
+
+    def __init__(self, model: nn.Module, hooks: Any, engine: Any) -> None:
+        entry = _entry()
+        self._model = weakref.ref(model)
+        self._class = type(model)
+        try:
+            model.__class__ = graphed_class(self._class)
+        except TypeError:  # a class whose __init_subclass__ wants arguments: left as it is
+            pass
+        _GRAPHED[model] = (hooks, engine)
+        bound = entry.__get__(model)
+        object.__setattr__(model, "_call_impl", bound)
+        object.__setattr__(model, "__call__", bound)
+
+    def remove(self) -> None:
+        model = self._model()
+        if model is None:
+            return
+        if type(model) is _GRAPHED_CLASSES.get(self._class):
+            model.__class__ = self._class
+        model.__dict__.pop("_call_impl", None)
+        model.__dict__.pop("__call__", None)
+        _GRAPHED.pop(model, None)
+
+
 def graph_hooks_support() -> str:
     """What the installed torch offers the compiled path (docs/compile.md): saved-tensor hooks
     given as GraphModules, inlined by AOTAutograd, and the context that names each saved
@@ -171,6 +294,6 @@ def graph_hooks_support() -> str:
     if missing:
         return f"no: this torch lacks {', '.join(missing)}"
     return (
-        "graph saved-tensor hooks: yes; compressing strategies still run eagerly under "
-        "torch.compile (docs/compile.md)"
+        "graph saved-tensor hooks: yes; strategies whose codes trace run inside the "
+        "compiled graph, the others eagerly under torch.compile (docs/compile.md)"
     )

@@ -422,6 +422,29 @@ class OpAware(BaseCompressor):
         bits = self.attn_bits if kind == "attn" else self.act_bits if kind == "act" else None
         return self.group.encoder_as(site, GroupCode(bits, rows))
 
+    @property
+    def traceable(self) -> bool:
+        """Whether a compiled graph traces its codes (:mod:`torchstash.graphhooks`): where
+        its value codec's do."""
+        return bool(getattr(self.values, "traceable", False))
+
+    def value_encoder(self, x: torch.Tensor, site: Site) -> Encoder | None:
+        """The encoder of a code whose restore is the value itself, which any op may read: a
+        compiled graph saves a value once for every op of the backward that reads it (a
+        ReLU's output for the ReLU and the next conv), so its op-specific codes (sign bits, a
+        derivative's levels, a pool's positions) do not apply there. A value's own code
+        where the op-aware one is a value's; the value codec's (at ``act_bits`` for a GELU's
+        or SiLU's input) where it is op-specific; None for a pool's positions."""
+        kind = self.variant(x, site)
+        if kind in ("", "attn", "act", "norm", "scores", "bool"):
+            return self.encoder(x, site)
+        if kind == "pool":
+            return None
+        if self.group is None:
+            return AtSite(self.values.compress, site)
+        bits = self.act_bits if kind == "deriv" else None
+        return self.group.encoder_as(site, GroupCode(bits, self._row_group_size(x)))
+
     def _compress_scores(self, x: torch.Tensor, site: Site, rows: int | None) -> Packed:
         """An operand of attention's scores at :data:`SCORES_BITS`, rounded to nearest."""
         packed = self.scores.compress_as(x, site, GroupCode(group_size=rows))

@@ -141,6 +141,9 @@ class ThreadState(threading.local):
         self.scratch: Tally | None = None
         #: the full path's last save shared an earlier entry
         self.shared = False
+        #: calls of a compiled model running (their graphs save through graph hooks:
+        #: :mod:`torchstash.graphhooks`): the engine stays out of them
+        self.graphed = 0
 
 
 class Scoping:
@@ -255,11 +258,24 @@ class Scoping:
             tls.skip = self._skip
         return tls.skip
 
+    @contextlib.contextmanager
+    def in_graph(self) -> Iterator[None]:
+        """A compiled call of the model runs: its graphs save through the strategy's graph
+        hooks, and the engine's module hooks (run eagerly around the graph) do nothing."""
+        tls = self._tls
+        tls.graphed += 1
+        try:
+            yield
+        finally:
+            tls.graphed -= 1
+
     def enter_module(self, info: ModuleInfo, owner: object) -> None:
         """Called before a module's forward: activates the engine if this is the outermost call."""
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return
         tls = self._tls
+        if tls.graphed:
+            return
         if not tls.active and recomputing():
             return
         exit_stack = None if tls.active else self._activation()

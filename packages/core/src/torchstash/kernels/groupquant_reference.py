@@ -133,7 +133,9 @@ def group_quantize_ref(
     finite = xp.isfinite()
     use = finite & valid
     special = (~finite & valid).any(dim=1)
-    inf = torch.tensor(float("inf"), device=x.device)
+    # 0-dim values made by ops (torch.full), not tensor constants: a graph the reference is
+    # traced into as a saved-tensor hook (torchstash.graphhooks) holds no constants
+    inf = torch.full((), float("inf"), device=x.device)
     mn = torch.where(use, xp, inf).amin(dim=1)
     mx = torch.where(use, xp, -inf).amax(dim=1)
     empty = ~use.any(dim=1)
@@ -143,8 +145,8 @@ def group_quantize_ref(
     mx = torch.where(empty, torch.zeros_like(mx), mx) + 0.0
     top = torch.where(
         special,
-        torch.tensor(float(levels(bits, True)), device=x.device),
-        torch.tensor(float(levels(bits, False)), device=x.device),
+        torch.full((), float(levels(bits, True)), device=x.device),
+        torch.full((), float(levels(bits, False)), device=x.device),
     )
     lo = bf16_down(mn)
     d = mx - lo

@@ -17,10 +17,11 @@ from ._checks import (
     check_bits,
     check_float_dtype,
     check_float_tensor,
+    check_seed,
     check_tensor,
-    check_u64,
 )
 from ._dispatch import Impl, use_kernel
+from .reference import Seed
 from .rowcenter_reference import (
     row_center_ref,
     row_group_dequantize_ref,
@@ -79,19 +80,21 @@ def row_group_quantize(
     bits: int,
     group_size: int = 256,
     *,
-    seed: int,
+    seed: Seed,
     stochastic: bool = True,
     impl: Impl = "auto",
     checked: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(packed, lo, step, offsets, constant)``: :func:`group_quantize` of
-    :func:`row_center`'s centered values (no scales), in one pass (``checked``: as there)."""
+    :func:`row_center`'s centered values (no scales), in one pass (``checked``: as there).
+    A seed tensor (a compiled graph's) takes the reference's steps, which trace: the kernel
+    has no overload taking one yet."""
     op = "row_group_quantize"
     if checked:
         check_float_tensor(x, "x", op=op)
         check_bits(bits, op=op)
-        check_u64(seed, "seed", op=op)
-    if use_kernel(impl, x.device):
+        check_seed(seed, op=op, device=x.device)
+    if use_kernel(impl, x.device) and not isinstance(seed, torch.Tensor):
         out = torch.ops.torchstash.row_group_quantize(
             x, run, bits, group_size, as_int64(seed), stochastic
         )

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .groupquant_reference import group_dequantize_ref, group_quantize_ref
-from .reference import pack_bits_ref, unpack_bits_ref
+from .reference import Seed, pack_bits_ref, unpack_bits_ref
 
 __all__ = [
     "SUM_LANES",
@@ -111,7 +111,7 @@ def row_uncenter_ref(
 
 
 def row_group_quantize_ref(
-    x: torch.Tensor, run: int, bits: int, group_size: int, seed: int, stochastic: bool = True
+    x: torch.Tensor, run: int, bits: int, group_size: int, seed: Seed, stochastic: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(packed, lo, step, offsets, constant)``: :func:`row_center_ref` (no scales), then
     ``group_quantize`` of the centered values."""

@@ -1,0 +1,373 @@
+"""A strategy inside ``torch.compile``'s graphs: saved-tensor hooks AOTAutograd traces into them.
+
+Pack and unpack are ``torch.fx.GraphModule`` hooks (``saved_tensors_hooks`` with both hooks
+graph modules), which AOTAutograd inlines into the compiled forward (pack at its end, on each
+value it saves) and backward (unpack at its start). While they are traced they are told the
+saved value's node (``_get_saved_tensor_hook_context``): there, once per saved value, the
+strategy decides as the eager engine does, from the same description: the site named from
+the graph (:mod:`.graphsite`), the policy's compressor for it, ``min_bytes``, the
+compressor's reasons, then its encoder (the call a replayed eager save makes), traced; the
+unpack decodes with the compressor's own ``decompress``. Nothing of it runs in Python at run
+time. A site whose code does not trace (it reads a value on the host, say) is saved as stock
+saves it, with one warning naming it.
+
+A code's random rounding needs a seed that changes each step: traced, it is drawn from the
+data (a few of the tensor's own values, mixed with the compressor's seed stream), so the graph
+consumes none of torch's random numbers (a run is then comparable with one without).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from . import seeds
+from .compressor import Compressor, Encoder, encoder_of
+from .engine.scope import ModuleInfo
+from .engine.tally import Tally
+from .engine.totals import Totals, diff
+from .errors import CompileFallbackWarning
+from .graphsite import relu_output, site_of
+from .kernels import kernels_in_graph
+from .layout import dense_strides, with_layout
+from .packed import Packed, raw_nbytes
+from .signs import pack_sign, unpack_sign
+from .site import Site
+
+Resolver = Callable[[Site, frozenset[str]], "Compressor | None"]
+Lookup = Callable[[str], "tuple[torch.nn.Module, ModuleInfo] | None"]
+
+#: what an attention kernel saves stays exact (its backward recomputes the map from them)
+ATTENTION_REASON = "an attention kernel's operands and outputs stay exact in a compiled graph"
+NO_OP_REASON = "no op saves it in the graph (a graph input or a constant)"
+OP_SPECIFIC_REASON = "its code is one op's (a pool's positions), and a graph's value serves all"
+
+_STATE = threading.local()
+
+
+def _current() -> GraphHooks | None:
+    stack: list[GraphHooks] | None = getattr(_STATE, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _context() -> dict[str, Any] | None:
+    from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
+
+    found: dict[str, Any] | None = _get_saved_tensor_hook_context()
+    return found
+
+
+def _pack(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    hooks, context = _current(), _context()
+    if hooks is None or context is None:
+        # saved outside AOTAutograd's graphs (a backend without it, or code between two
+        # graphs): as stock saves it, and said once (see GraphHooks.entered)
+        if hooks is not None:
+            hooks.outside += 1
+        return (x.detach(),)
+    return hooks.pack(x, context)
+
+
+def _unpack(packed: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    hooks, context = _current(), _context()
+    if hooks is None or context is None:
+        return packed[0]
+    return hooks.unpack(packed, context)
+
+
+def _hook_module(fn: Callable[..., Any], name: str) -> torch.fx.GraphModule:
+    """A graph module calling ``fn`` on its one input, built node by node: without
+    ``symbolic_trace``, which patches ``nn.Module.__call__`` for every thread while it runs."""
+    graph = torch.fx.Graph()
+    node = graph.call_function(fn, (graph.placeholder(name),))
+    node.meta["is_wrapped"] = True
+    graph.output(node)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+#: made once, at import: a graph module's code is executed when it is made, and the frames
+#: that made it then stay referenced until the garbage collector runs (apply's would keep a
+#: removed model alive)
+_TEMPLATES = (_hook_module(_pack, "x"), _hook_module(_unpack, "packed"))
+
+
+def _new_hook(template: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Another object than ``template``, the same graph and code (dynamo guards a compiled
+    graph on its hooks' identity: each applied strategy has its own)."""
+    hook = object.__new__(type(template))
+    hook.__dict__.update(template.__dict__)
+    return hook
+
+
+@dataclass(slots=True)
+class Decision:
+    """What one saved value of a graph got."""
+
+    site: Site
+    compressor: Compressor | None = None
+    skeleton: Packed | None = None  # the record, its tensors replaced by their positions
+    strides: tuple[int, ...] | None = None
+    reason: str = ""
+    #: a ReLU's output, its signs kept exact beside its code (:func:`_with_signs`)
+    signs: bool = False
+
+
+def flatten(packed: Packed, leaves: list[torch.Tensor]) -> Packed:
+    """``packed``'s tensors appended to ``leaves``; the record with their positions instead."""
+    tensors: dict[str, Any] = {}
+    for key, value in packed.tensors.items():
+        if isinstance(value, Packed):
+            tensors[key] = flatten(value, leaves)
+        else:
+            tensors[key] = len(leaves)
+            leaves.append(value)
+    return Packed(packed.codec, packed.shape, packed.dtype, packed.device, tensors, packed.meta)
+
+
+def unflatten(skeleton: Packed, leaves: tuple[torch.Tensor, ...]) -> Packed:
+    tensors: dict[str, Any] = {}
+    for key, value in skeleton.tensors.items():
+        tensors[key] = unflatten(value, leaves) if isinstance(value, Packed) else leaves[value]
+    return Packed(
+        skeleton.codec, skeleton.shape, skeleton.dtype, skeleton.device, tensors, skeleton.meta
+    )
+
+
+RELU_CODEC = "graph.relu"
+
+
+def _with_signs(packed: Packed, x: torch.Tensor) -> Packed:
+    """A ReLU's output coded as a value, with where it is above zero kept exact (one bit
+    each): in a graph the one saved output serves the ReLU's backward, which reads only that,
+    and the next op's (a conv's weight gradient), which reads the values. A value code
+    alone rounds small outputs to zero, and the ReLU's backward then drops their gradient
+    (the zoo's ResNet under int8: cosine 0.982 with stock's instead of 0.9999)."""
+    return Packed(RELU_CODEC, x.shape, x.dtype, x.device, {"values": packed, "signs": pack_sign(x)})
+
+
+def _decode_with_signs(compressor: Compressor, record: Packed) -> torch.Tensor:
+    """The values, zero exactly where the output was and above zero where it was."""
+    values, signs = record.tensors["values"], record.tensors["signs"]
+    assert isinstance(values, Packed) and isinstance(signs, Packed)
+    decoded = compressor.decompress(values)
+    above = unpack_sign(signs) > 0
+    tiny = torch.finfo(decoded.dtype).tiny
+    return torch.where(above, decoded.clamp_min(tiny), torch.zeros_like(decoded))
+
+
+#: values of a tensor its traced seed reads (spread over it), and their odd weights' mixer
+_SAMPLES = 61
+_MIX = 0x9E3779B97F4A7C15 - (1 << 64)
+
+
+def data_seed(x: torch.Tensor, stream: int) -> torch.Tensor:
+    """A 0-dim int64 seed computed in the graph from ``x``'s values (their bits) and ``stream``
+    (the compressor's next seed): new each step as the data are, no generator consumed."""
+    flat = x.detach().reshape(-1)
+    n = flat.numel()
+    picked = flat[:: max(1, n // _SAMPLES)][:_SAMPLES].float()
+    bits = picked.view(torch.int32).to(torch.int64)
+    weights = torch.arange(1, 2 * bits.numel() + 1, 2, dtype=torch.int64, device=x.device)
+    stream64 = stream - (1 << 64) if stream >= 1 << 63 else stream
+    return (bits * weights * _MIX).sum() + stream64
+
+
+class GraphHooks:
+    """One applied strategy's graph-module hooks and its decisions while they are traced."""
+
+    def __init__(
+        self, resolve: Resolver, min_bytes: int, lookup: Lookup, strategy: str, tally: Tally
+    ) -> None:
+        self.resolve = resolve
+        self.min_bytes = min_bytes
+        self.lookup = lookup
+        self.strategy = strategy
+        self.tally = tally
+        #: the pair ``saved_tensors_hooks`` is entered with: dynamo guards a compiled graph on
+        #: their identity, so a graph compiled without them (or for another strategy) is
+        #: never reused with them, nor theirs without them
+        self.hooks = (_new_hook(_TEMPLATES[0]), _new_hook(_TEMPLATES[1]))
+        self._decided: dict[tuple[int, str], Decision] = {}
+        #: what a forward with a given signature saves (counted at each such call)
+        self._totals: dict[tuple[Any, ...], list[Totals]] = {}
+        self._scratch: Tally | None = None
+        self._counted: set[tuple[int, str]] = set()
+        self._warned: set[str] = set()
+        #: decisions taken while tracing, for tests and ``describe``
+        self.decisions: list[Decision] = []
+        #: tensors saved during compiled calls outside AOTAutograd's graphs (kept as they are)
+        self.outside = 0
+
+    # -- around a compiled call ----------------------------------------------------------------
+
+    @contextmanager
+    def entered(self, signature: tuple[Any, ...]) -> Iterator[None]:
+        """The hooks on (and this object current) for one call of the compiled model; what the
+        call's graphs save is counted in the tally once it returns."""
+        stack = getattr(_STATE, "stack", None)
+        if stack is None:
+            stack = _STATE.stack = []
+        stack.append(self)
+        scratch = self._scratch = Tally()
+        outside = self.outside
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(*self.hooks):
+                yield
+        finally:
+            stack.pop()
+            self._scratch = None
+            self._decided.clear()
+            self._counted.clear()
+        if self.outside > outside:
+            self._warn_outside(self.outside - outside)
+        if scratch.rows:  # traced in this call: what the signature's graphs save
+            self._totals[signature] = diff({}, scratch)
+        totals = self._totals.get(signature)
+        if totals is not None and torch.is_grad_enabled():
+            self.tally.add_forward(totals)
+
+    # -- traced --------------------------------------------------------------------------------
+
+    def pack(self, x: torch.Tensor, context: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        node = context["_node"]
+        key = (id(context["_fw_graph"]), node.name)
+        site = site_of(node, self.lookup)
+        decision = Decision(site)
+        compressor, decision.reason = self._choose(x, site)
+        out: tuple[torch.Tensor, ...] = (x.detach(),)
+        if compressor is not None:
+            stream = compressor_stream(compressor)
+            try:
+                encode = value_encoder_of(compressor, x, site)
+                packed = None
+                if encode is not None:
+                    with seeds.traced(data_seed(x, stream)), kernels_in_graph():
+                        packed = encode(x)
+            except Exception as e:
+                decision.reason = f"its code does not trace ({type(e).__name__}: {e})"
+                self._warn(site, decision.reason)
+            else:
+                if encode is None:
+                    decision.reason = OP_SPECIFIC_REASON
+                elif isinstance(packed, Packed):
+                    if relu_output(node):
+                        packed = _with_signs(packed, x)
+                        decision.signs = True
+                    leaves: list[torch.Tensor] = []
+                    decision.skeleton = flatten(packed, leaves)
+                    decision.compressor = compressor
+                    decision.strides = dense_strides(x)
+                    out = tuple(leaves)
+                else:
+                    decision.reason = f"{compressor.name} declined it"
+        self._decided[key] = decision
+        self._count(key, x, decision, out)
+        return out
+
+    def unpack(self, packed: tuple[torch.Tensor, ...], context: dict[str, Any]) -> torch.Tensor:
+        decision = self._decided.get((id(context["_fw_graph"]), context["_node"].name))
+        if decision is None or decision.skeleton is None or decision.compressor is None:
+            return packed[0]
+        record = unflatten(decision.skeleton, packed)
+        with kernels_in_graph():
+            if decision.signs:
+                value = _decode_with_signs(decision.compressor, record)
+            else:
+                value = decision.compressor.decompress(record)
+        return with_layout(value, decision.strides)
+
+    def _choose(self, x: torch.Tensor, site: Site) -> tuple[Compressor | None, str]:
+        if raw_nbytes(x) < self.min_bytes:
+            return None, f"smaller than min_bytes={self.min_bytes}"
+        if not site.op:
+            return None, NO_OP_REASON
+        if site.op == "scaled_dot_product_attention":
+            return None, ATTENTION_REASON
+        found = self.lookup(site.module)
+        types = found[1].type_names if found is not None else frozenset({site.module_type})
+        compressor = self.resolve(site, types)
+        if compressor is None:
+            return None, ""
+        reasons = compressor.unsupported(x, site)
+        if reasons:
+            return None, "; ".join(reasons)
+        return compressor, ""
+
+    def _count(
+        self, key: tuple[int, str], x: torch.Tensor, decision: Decision, out: tuple[Any, ...]
+    ) -> None:
+        """Count a saved value once per call (its hook is traced twice)."""
+        scratch = self._scratch
+        if scratch is None or key in self._counted:
+            return
+        self._counted.add(key)
+        self.decisions.append(decision)
+        site = decision.site
+        row = scratch.row(site)
+        row.saved += 1
+        row.ops[site.op or "?"] += 1
+        raw = int(raw_nbytes(x))
+        stored = sum(int(raw_nbytes(t)) for t in out) if decision.compressor else raw
+        row.raw_bytes += raw
+        row.stored_bytes += stored
+        row.held_bytes += stored
+        if decision.compressor is not None:
+            row.compressed += 1
+        elif decision.reason:
+            row.declined[decision.reason] += 1
+
+    def _warn_outside(self, count: int) -> None:
+        if "<outside>" in self._warned:
+            return
+        self._warned.add("<outside>")
+        warnings.warn(
+            f"torchstash: {self.strategy!r} codes what AOTAutograd's graphs save, and this "
+            f"compiled call saved {count} tensor(s) outside them, as stock PyTorch saves them: "
+            "its backend has no AOTAutograd (backend='eager'), or its graph breaks. Compile "
+            "with a backend that has it (inductor, the default, or aot_eager), with "
+            "fullgraph=True to find a break.",
+            CompileFallbackWarning,
+            stacklevel=3,
+        )
+
+    def _warn(self, site: Site, reason: str) -> None:
+        where = site.describe()
+        if where in self._warned:
+            return
+        self._warned.add(where)
+        warnings.warn(
+            f"torchstash: {self.strategy!r} keeps {where} as stock PyTorch saves it in the "
+            f"compiled graph: {reason}",
+            CompileFallbackWarning,
+            stacklevel=2,
+        )
+
+
+def value_encoder_of(compressor: Compressor, x: torch.Tensor, site: Site) -> Encoder | None:
+    """The compressor's encoder of a code whose restore is the value (``value_encoder``,
+    for one whose codes are op-specific at some sites), else its encoder: a compiled graph
+    saves a value once for every op that reads it in backward. None: nothing fits."""
+    told = getattr(compressor, "value_encoder", None)
+    if told is not None:
+        found: Encoder | None = told(x, site)
+        return found
+    return encoder_of(compressor, x, site)
+
+
+def compressor_stream(compressor: Compressor) -> int:
+    """The next seed of the compressor's own stream (0 for one without): mixed into a traced
+    seed so two sites' codes of equal values draw differently."""
+    stream = getattr(compressor, "seeds", None)
+    if isinstance(stream, seeds.SeedStream):
+        return stream.next()
+    return 0
+
+
+__all__ = ["GraphHooks", "data_seed", "flatten", "unflatten"]
