@@ -238,6 +238,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_group
   return {packed, lo, step, offsets, constant};
 }
 
+// The overload a compiled graph calls (as group_quantize.seeded).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_group_quantize_seeded_cpu(
+    const at::Tensor& x, std::int64_t run, std::int64_t bits, std::int64_t group_size, const at::Tensor& seed,
+    bool stochastic) {
+  bindings::check_seed_tensor("row_group_quantize", seed, x.device());
+  return row_group_quantize_cpu(x, run, bits, group_size, seed.item<std::int64_t>(), stochastic);
+}
+
 at::Tensor row_group_dequantize_cpu(const at::Tensor& packed, const at::Tensor& lo, const at::Tensor& step,
                                     const at::Tensor& offsets, const at::Tensor& constant, std::int64_t bits,
                                     std::int64_t group_size, std::int64_t run, std::int64_t numel,
@@ -428,6 +436,9 @@ TORCH_LIBRARY(torchstash, m) {
       "row_group_quantize(Tensor x, int run, int bits, int group_size, int seed, bool stochastic) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
+      "row_group_quantize.seeded(Tensor x, int run, int bits, int group_size, Tensor seed, bool stochastic) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
       "row_group_dequantize(Tensor packed, Tensor lo, Tensor step, Tensor offsets, Tensor constant, int bits, "
       "int group_size, int run, int numel, ScalarType dtype) -> Tensor");
   m.def("fp8_quantize(Tensor x, int group_size) -> (Tensor, Tensor)");
@@ -456,6 +467,7 @@ TORCH_LIBRARY_IMPL(torchstash, CPU, m) {
   m.impl("row_center", &torchstash::row_center_cpu);
   m.impl("row_uncenter", &torchstash::row_uncenter_cpu);
   m.impl("row_group_quantize", &torchstash::row_group_quantize_cpu);
+  m.impl("row_group_quantize.seeded", &torchstash::row_group_quantize_seeded_cpu);
   m.impl("row_group_dequantize", &torchstash::row_group_dequantize_cpu);
   m.impl("fp8_quantize", &torchstash::fp8_quantize_cpu);
   m.impl("fp8_dequantize", &torchstash::fp8_dequantize_cpu);

@@ -188,6 +188,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_group
   return {packed, lo, step, offsets, constant};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_group_quantize_seeded_cuda(
+    const at::Tensor& x, std::int64_t run, std::int64_t bits, std::int64_t group_size, const at::Tensor& seed,
+    bool stochastic) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  bindings::check_row_group_quantize(x, run, bits, group_size);
+  bindings::check_seed_tensor("row_group_quantize", seed, x.device());
+  auto [centered, offsets, constant, scales] = row_center_cuda(x, run, false);
+  const bool on_host = seed.device().is_cpu();
+  auto [packed, lo, step] =
+      group_quantize_at(centered, bits, group_size, on_host ? seed.item<std::int64_t>() : 0,
+                        on_host ? nullptr : seed.const_data_ptr<std::int64_t>(), stochastic);
+  return {packed, lo, step, offsets, constant};
+}
+
 at::Tensor row_group_dequantize_cuda(const at::Tensor& packed, const at::Tensor& lo, const at::Tensor& step,
                                      const at::Tensor& offsets, const at::Tensor& constant, std::int64_t bits,
                                      std::int64_t group_size, std::int64_t run, std::int64_t numel,
@@ -353,6 +367,7 @@ TORCH_LIBRARY_IMPL(torchstash, CUDA, m) {
   m.impl("row_center", &torchstash::row_center_cuda);
   m.impl("row_uncenter", &torchstash::row_uncenter_cuda);
   m.impl("row_group_quantize", &torchstash::row_group_quantize_cuda);
+  m.impl("row_group_quantize.seeded", &torchstash::row_group_quantize_seeded_cuda);
   m.impl("row_group_dequantize", &torchstash::row_group_dequantize_cuda);
   m.impl("fp8_quantize", &torchstash::fp8_quantize_cuda);
   m.impl("fp8_dequantize", &torchstash::fp8_dequantize_cuda);

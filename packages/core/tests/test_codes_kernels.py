@@ -139,6 +139,24 @@ def test_row_group_parity(
         assert_bits_equal(restored, ref)
 
 
+@pytest.mark.parametrize("bits", BITS)
+def test_row_group_seeded_overload_draws_what_the_int_seed_draws(
+    kernel: None, device: torch.device, bits: int
+) -> None:
+    """``row_group_quantize.seeded`` (the seed a 0-dim int64 tensor, a compiled graph's: on
+    the CPU, or on the data's device, read there by the kernel) gives the int seed's codes."""
+    x = _data(3 * 100, "plain", 100, seed=bits)
+    for seed in (7, 2**63 + 5):
+        as_tensor = torch.tensor(seed - 2**64 if seed >= 2**63 else seed)
+        want = row_group_quantize(x, 100, bits, 32, seed=seed, impl="kernel")
+        for where in {torch.device("cpu"), device}:
+            got = row_group_quantize(
+                x.to(device), 100, bits, 32, seed=as_tensor.to(where), impl="kernel"
+            )
+            for g, w in zip(got, want, strict=True):
+                assert_bits_equal(g.cpu(), w)
+
+
 def test_row_ops_validate(kernels_on: None) -> None:
     x = torch.randn(10, 7)
     for impl in ("kernel", "ref"):
@@ -280,6 +298,8 @@ def test_opcheck(built: None) -> None:
         torch.library.opcheck(ops.fp8_quantize.default, (xs, 100))
         torch.library.opcheck(ops.sign_pack.default, (xs,))
         torch.library.opcheck(ops.row_group_quantize.default, (xs, 64, 4, 32, 3, True))
+        seed = torch.tensor(3)
+        torch.library.opcheck(ops.row_group_quantize.seeded, (xs, 64, 4, 32, seed, True))
     centered, offsets, constant, scales = ops.row_center(x, 32, True)
     torch.library.opcheck(
         ops.row_uncenter.default, (centered, offsets, constant, scales, 32, torch.float16)

@@ -118,6 +118,14 @@ CASES = [
         {0: ("x", X.int()), 1: ("segments", 0), 2: ("k", -1)},
     ),
     Case(
+        "row_group_quantize.seeded",
+        (X, 64, 4, 64, torch.tensor(7), True),
+        lambda x, r, b, g, s, st: K.row_group_quantize(
+            x, r, b, g, seed=s, stochastic=st, impl="kernel"
+        ),
+        {0: ("x", X.int()), 2: ("bits", 3), 4: ("seed", torch.tensor([7]))},
+    ),
+    Case(
         "pack_bits",
         (torch.zeros(16, dtype=torch.uint8), 2),
         lambda *a: K.pack_bits(*a, impl="kernel"),

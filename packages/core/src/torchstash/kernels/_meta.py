@@ -216,6 +216,10 @@ FAKES: dict[str, Fake] = {
         (_count("run"), _bits, _count("group_size"), _float("x")),
         lambda a: (*_group_codes(a), *_row_parts(a)),
     ),
+    "row_group_quantize.seeded": Fake(
+        (_count("run"), _bits, _count("group_size"), _float("x"), _seed_tensor),
+        lambda a: (*_group_codes(a), *_row_parts(a)),
+    ),
     "row_group_dequantize": Fake((_count("run"), *_GROUP_DECODE), lambda a: _values(a, "packed")),
     "fp8_quantize": Fake(
         (_float("x"), _count("group_size")),

@@ -87,17 +87,22 @@ def row_group_quantize(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(packed, lo, step, offsets, constant)``: :func:`group_quantize` of
     :func:`row_center`'s centered values (no scales), in one pass (``checked``: as there).
-    A seed tensor (a compiled graph's) takes the reference's steps, which trace: the kernel
-    has no overload taking one yet."""
+    A seed tensor (a compiled graph's: see :func:`~.groupquant.group_quantize`) goes to the
+    kernel's ``seeded`` overload."""
     op = "row_group_quantize"
     if checked:
         check_float_tensor(x, "x", op=op)
         check_bits(bits, op=op)
         check_seed(seed, op=op, device=x.device)
-    if use_kernel(impl, x.device) and not isinstance(seed, torch.Tensor):
-        out = torch.ops.torchstash.row_group_quantize(
-            x, run, bits, group_size, as_int64(seed), stochastic
-        )
+    if use_kernel(impl, x.device):
+        if isinstance(seed, torch.Tensor):
+            out = torch.ops.torchstash.row_group_quantize.seeded(
+                x, run, bits, group_size, seed, stochastic
+            )
+        else:
+            out = torch.ops.torchstash.row_group_quantize(
+                x, run, bits, group_size, as_int64(seed), stochastic
+            )
         packed, lo, step, offsets, constant = out
         return packed, lo, step, offsets, constant
     return row_group_quantize_ref(x, run, bits, group_size, seed, stochastic)
