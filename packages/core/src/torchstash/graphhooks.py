@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import seeds
 from .compressor import Compressor, Encoder, encoder_of
@@ -140,6 +141,27 @@ def unflatten(skeleton: Packed, leaves: tuple[torch.Tensor, ...]) -> Packed:
     )
 
 
+class HostRead(RuntimeError):
+    """A code read a tensor's value on the host while it was traced."""
+
+
+class NoHostReads(TorchDispatchMode):
+    """Refuses a read of a tensor's value on the host (``.item()``, ``bool()``, a Python
+    branch on a tensor) while a code is traced: in a graph it has no value to read, and
+    traced it would break the graph later, far from the code that did it; refused here, the
+    site is kept as stock saves it and named in a warning."""
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise HostRead(
+                "it reads a tensor's value on the host (.item(), bool() or a Python branch "
+                "on a tensor), which a compiled graph cannot"
+            )
+        return func(*args, **(kwargs or {}))
+
+
 RELU_CODEC = "graph.relu"
 
 
@@ -245,11 +267,12 @@ class GraphHooks:
         if compressor is not None:
             stream = compressor_stream(compressor)
             try:
-                encode = value_encoder_of(compressor, x, site)
-                packed = None
-                if encode is not None:
-                    with seeds.traced(data_seed(x, stream)), kernels_in_graph():
-                        packed = encode(x)
+                with NoHostReads():
+                    encode = value_encoder_of(compressor, x, site)
+                    packed = None
+                    if encode is not None:
+                        with seeds.traced(data_seed(x, stream)), kernels_in_graph():
+                            packed = encode(x)
             except Exception as e:
                 decision.reason = f"its code does not trace ({type(e).__name__}: {e})"
                 self._warn(site, decision.reason)
