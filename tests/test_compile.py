@@ -355,3 +355,30 @@ def test_eager_calls_after_compiling_still_take_the_eager_engine() -> None:
         model(x).square().sum().backward()  # eager: the engine's hooks count it
         assert handle.tally.stored_bytes > compiled_rows
         assert handle.engine.replayer.recorded + handle.engine.replayer.replayed >= 1
+
+
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_bf16_autocast_in_the_graph(model_name: str) -> None:
+    """bf16 autocast around a compiled ``fullgraph=True`` call: the graph's bf16 and float32
+    saves coded, gradients near stock's under the same autocast."""
+    import copy
+
+    entry = MODELS[model_name]
+    torch.manual_seed(0)
+    stock = entry.build()
+    ours = copy.deepcopy(stock)
+    x, y = entry.batch(4, torch.device("cpu"))
+
+    def step(model: torch.nn.Module, call: Callable[..., Any]) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = entry.loss(call, x, y)  # type: ignore[arg-type]
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    want = step(stock, stock)
+    with ts.apply(ours, "quant.int8", seed=0) as handle:
+        got = step(ours, torch.compile(ours, backend="aot_eager", fullgraph=True))
+        assert handle.graph is not None
+        assert any(d.compressor for d in handle.graph.decisions)
+    assert cosine(want, got) > 0.999
