@@ -265,9 +265,7 @@ def _infos(model: nn.Module) -> Iterator[tuple[str, nn.Module, ModuleInfo]]:
 
 
 def _site_of(info: ModuleInfo) -> Site:
-    return Site(
-        module=info.qualname, tag=info.tag, module_type=info.type_name, module_index=info.index
-    )
+    return info.site()
 
 
 def _rewrite(model: nn.Module, plan: Plan, handle: Handle) -> None:

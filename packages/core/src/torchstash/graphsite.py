@@ -51,15 +51,10 @@ _VIEWS = frozenset(
     }
 )
 
-#: ops whose backward reads their own output: a value they made is saved as their ``output``
-_OUTPUT_SAVERS = frozenset(
+#: tuple-output ops whose first output their backward does not read (a norm's or a pool's
+#: values: its statistics or indices are what it saves)
+_STATS_SAVERS = frozenset(
     {
-        aten.relu,
-        aten.threshold,
-        aten.sigmoid,
-        aten.tanh,
-        aten._softmax,
-        aten._log_softmax,
         aten.native_layer_norm,
         aten.native_batch_norm,
         aten._native_batch_norm_legit,
@@ -67,6 +62,19 @@ _OUTPUT_SAVERS = frozenset(
         aten._native_batch_norm_legit_no_training,
         aten.max_pool2d_with_indices,
         aten.max_pool3d_with_indices,
+    }
+)
+
+#: ops whose backward reads an output of theirs: a value they made is saved as their
+#: ``output`` (for those above, not their first)
+_OUTPUT_SAVERS = _STATS_SAVERS | frozenset(
+    {
+        aten.relu,
+        aten.threshold,
+        aten.sigmoid,
+        aten.tanh,
+        aten._softmax,
+        aten._log_softmax,
         aten._scaled_dot_product_flash_attention,
         aten._scaled_dot_product_flash_attention_for_cpu,
         aten._scaled_dot_product_efficient_attention,
@@ -130,21 +138,6 @@ def _maker(node: torch.fx.Node) -> torch.fx.Node:
             break
         node = source
     return node
-
-
-#: tuple-output ops whose first output their backward does not read (a norm's or a pool's
-#: values: its statistics or indices are what it saves)
-_STATS_SAVERS = frozenset(
-    {
-        aten.native_layer_norm,
-        aten.native_batch_norm,
-        aten._native_batch_norm_legit,
-        aten._native_batch_norm_legit_functional,
-        aten._native_batch_norm_legit_no_training,
-        aten.max_pool2d_with_indices,
-        aten.max_pool3d_with_indices,
-    }
-)
 
 
 def _own_output(node: torch.fx.Node, made_by: torch.fx.Node) -> bool:
@@ -242,15 +235,8 @@ def site_of(node: torch.fx.Node, modules: Lookup) -> Site:
             name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]
             info = ModuleInfo(module_path(str(key)), "", name, -1, frozenset({name}))
     op, func = _op_of(op_node) if op_node is not None else ("", "")
-    return Site(
-        module=info.qualname,
-        tag=info.tag,
-        module_type=info.type_name,
-        module_index=info.index,
-        op=op,
-        func=func,
-        role=role if op else "",
-        training=bool(getattr(module, "training", True)),
+    return info.site(
+        op=op, func=func, role=role if op else "", training=bool(getattr(module, "training", True))
     )
 
 

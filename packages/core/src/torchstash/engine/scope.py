@@ -40,6 +40,16 @@ class ModuleInfo:
     index: int
     type_names: frozenset[str]
 
+    def site(self, **fields: Any) -> Site:
+        """A site in this module (``fields``: the rest of the site: its op, role...)."""
+        return Site(
+            module=self.qualname,
+            tag=self.tag,
+            module_type=self.type_name,
+            module_index=self.index,
+            **fields,
+        )
+
 
 NO_MODULE = ModuleInfo("", "", "", -1, frozenset())
 
@@ -335,11 +345,7 @@ class Scoping:
         info = frame.info if frame else NO_MODULE
         op, func = OP_STATE.op, OP_STATE.raw
         op_index, ordinal = self._op_position(tls)
-        return Site(
-            module=info.qualname,
-            tag=info.tag,
-            module_type=info.type_name,
-            module_index=info.index,
+        return info.site(
             op=op,
             func=func,
             op_index=op_index,
