@@ -64,11 +64,6 @@ def _train(
     return out, fallbacks, handle
 
 
-#: the least gradient cosine between the compiled and the eager strategy on the tiny zoo
-#: (two codes of the same values: their errors differ, more so at fewer bits)
-GRAPH_COSINE = {"quant.int4": 0.99, "quant.int2": 0.8, "quant.L2": 0.99}
-
-
 def cosine(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     x = torch.cat([g.flatten() for g in a]).double()
     y = torch.cat([g.flatten() for g in b]).double()
@@ -96,7 +91,7 @@ def test_compiled_matches_eager(strategy: str, model_name: str) -> None:
         assert not warned, [str(w.message) for w in warned]
         assert handle.graph.decisions and 0 < handle.tally.stored_bytes < handle.tally.raw_bytes
         for a, b in zip(eager, compiled, strict=True):
-            assert cosine(a, b) > GRAPH_COSINE.get(strategy, 0.999), strategy
+            assert cosine(a, b) > 0.999, strategy
     elif handle.plan.has_compressors:
         # The eager fallback: bit-exact, said once however many steps ran.
         assert len(warned) == 1, [str(w.message) for w in warned]
