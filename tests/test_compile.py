@@ -377,3 +377,111 @@ def test_bf16_autocast_in_the_graph(model_name: str) -> None:
         assert handle.graph is not None
         assert any(d.compressor for d in handle.graph.decisions)
     assert cosine(want, got) > 0.999
+
+
+def _gpt_at(model: torch.nn.Module, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 128, (2, length + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _gpt_step(call: Callable[..., Any], model: torch.nn.Module, x: Any, y: Any) -> list[Any]:
+    model.zero_grad(set_to_none=True)
+    logits = call(x)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("how", ["mark_dynamic", "automatic"])
+def test_dynamic_shapes_one_graph_serves_every_length(how: str) -> None:
+    """A changing sequence length: one graph traced with dynamic shapes serves every length
+    (the codes do not specialize it), each call's saves are counted at its own length (as a
+    graph traced at that length counts them, within 10%), and the gradients stay near
+    eager's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    entry = MODELS["gpt"]
+    torch.manual_seed(0)
+    model = entry.build()
+    lengths = [16, 12, 8, 10]
+    eager_grads, static_bytes = [], []
+    with ts.apply(model, "quant.int8", seed=0):
+        for i, n in enumerate(lengths):
+            eager_grads.append(_gpt_step(model, model, *_gpt_at(model, n, i)))
+    with ts.apply(model, "quant.int8", seed=0) as handle:
+        compiled = torch.compile(model, backend="aot_eager", dynamic=False)
+        for i, n in enumerate(lengths):
+            before = handle.tally.stored_bytes
+            _gpt_step(compiled, model, *_gpt_at(model, n, i))
+            static_bytes.append(handle.tally.stored_bytes - before)
+    torch._dynamo.reset()
+    frames = CompileCounterWithBackend("aot_eager")
+    with ts.apply(model, "quant.int8", seed=0) as handle:
+        compiled = torch.compile(model, backend=frames)
+        for i, n in enumerate(lengths):
+            x, y = _gpt_at(model, n, i)
+            if how == "mark_dynamic":
+                torch._dynamo.mark_dynamic(x, 1)
+            before = handle.tally.stored_bytes
+            got = _gpt_step(compiled, model, x, y)
+            stored = handle.tally.stored_bytes - before
+            assert abs(stored - static_bytes[i]) <= 0.1 * static_bytes[i], (n, stored)
+            assert cosine(eager_grads[i], got) > 0.999, n
+        # mark_dynamic: one graph; automatic: the first length's, then one dynamic graph
+        assert frames.frame_count == (1 if how == "mark_dynamic" else 2)
+        assert handle.graph is not None
+        assert any(d.order is not None for d in handle.graph.decisions), "none coded dynamic"
+
+
+def test_no_recompiles_after_warm_up() -> None:
+    """Steps at one shape, a switch to eval and back, no_grad calls: each mode compiles once,
+    and the steps after that reuse its graphs."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    entry = MODELS["gpt"]
+    torch.manual_seed(0)
+    model = entry.build()
+    x, y = entry.batch(2, torch.device("cpu"))
+    frames = CompileCounterWithBackend("aot_eager")
+    with ts.apply(model, "quant.int8", seed=0):
+        compiled = torch.compile(model, backend=frames)
+        for _ in range(3):
+            entry.loss(compiled, x, y).backward()  # type: ignore[arg-type]
+        warm = frames.frame_count
+        model.eval()
+        with torch.no_grad():
+            compiled(x)
+            compiled(x)
+        model.train()
+        for _ in range(3):
+            entry.loss(compiled, x, y).backward()  # type: ignore[arg-type]
+        evaluated = frames.frame_count
+        for _ in range(3):
+            entry.loss(compiled, x, y).backward()  # type: ignore[arg-type]
+            with torch.no_grad():
+                model.eval()
+                compiled(x)
+                model.train()
+    assert warm == 1
+    assert frames.frame_count == evaluated <= 2
+
+
+def test_a_compiled_function_counts_each_length_of_a_dynamic_graph() -> None:
+    """A compiled step function that calls the model with changing sizes: the model's call is
+    a frame of its own (the entry dynamo leaves alone), so the dynamic graph's sizes are read
+    from the model's arguments and each call is counted at its own length."""
+    entry = MODELS["gpt"]
+    torch.manual_seed(0)
+    model = entry.build()
+    added = {}
+    with ts.apply(model, "quant.int8", seed=0) as handle:
+        step = torch.compile(lambda tokens: model(tokens[:, :-1]), backend="aot_eager")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CompileFallbackWarning)
+            for i, n in enumerate([16, 12, 8, 10, 8]):
+                x, _ = _gpt_at(model, n, i)
+                before = handle.tally.stored_bytes
+                step(torch.cat([x, x[:, :1]], 1)).float().sum().backward()
+                added.setdefault(n, []).append(handle.tally.stored_bytes - before)
+        assert handle.graph is not None and any(d.order is not None for d in handle.graph.decisions)
+    assert added[8][0] == added[8][1] < added[10][0] < added[12][0] < added[16][0], added

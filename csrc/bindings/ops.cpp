@@ -416,42 +416,42 @@ TORCH_LIBRARY(torchstash, m) {
   // Fake (meta) kernels for torch.compile live in this Python module.
   m.set_python_module("torchstash.kernels._meta");
   m.def("pack_bits(Tensor codes, int bits) -> Tensor");
-  m.def("unpack_bits(Tensor packed, int bits, int numel) -> Tensor");
+  m.def("unpack_bits(Tensor packed, int bits, SymInt numel) -> Tensor");
   m.def("philox_uniform(Tensor(a!) out, int seed, int offset) -> ()");
   m.def("group_quantize(Tensor x, int bits, int group_size, int seed, bool stochastic) -> (Tensor, Tensor, Tensor)");
   m.def(
       "group_quantize.seeded(Tensor x, int bits, int group_size, Tensor seed, bool stochastic) -> "
       "(Tensor, Tensor, Tensor)");
   m.def(
-      "group_dequantize(Tensor packed, Tensor lo, Tensor step, int bits, int group_size, int numel, "
+      "group_dequantize(Tensor packed, Tensor lo, Tensor step, int bits, int group_size, SymInt numel, "
       "ScalarType dtype) -> Tensor");
-  m.def("channel_minmax(Tensor x, int inner, int channels) -> (Tensor, Tensor)");
-  m.def("channel_quantize(Tensor x, Tensor lo, Tensor step, int inner, int seed, bool stochastic) -> Tensor");
-  m.def("channel_dequantize(Tensor codes, Tensor lo, Tensor step, int inner, ScalarType dtype) -> Tensor");
-  m.def("row_center(Tensor x, int run, bool scale) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("channel_minmax(Tensor x, SymInt inner, int channels) -> (Tensor, Tensor)");
+  m.def("channel_quantize(Tensor x, Tensor lo, Tensor step, SymInt inner, int seed, bool stochastic) -> Tensor");
+  m.def("channel_dequantize(Tensor codes, Tensor lo, Tensor step, SymInt inner, ScalarType dtype) -> Tensor");
+  m.def("row_center(Tensor x, SymInt run, bool scale) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
-      "row_uncenter(Tensor decoded, Tensor offsets, Tensor constant, Tensor scales, int run, ScalarType dtype) -> "
+      "row_uncenter(Tensor decoded, Tensor offsets, Tensor constant, Tensor scales, SymInt run, ScalarType dtype) -> "
       "Tensor");
   m.def(
-      "row_group_quantize(Tensor x, int run, int bits, int group_size, int seed, bool stochastic) -> "
+      "row_group_quantize(Tensor x, SymInt run, int bits, int group_size, int seed, bool stochastic) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
-      "row_group_quantize.seeded(Tensor x, int run, int bits, int group_size, Tensor seed, bool stochastic) -> "
+      "row_group_quantize.seeded(Tensor x, SymInt run, int bits, int group_size, Tensor seed, bool stochastic) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "row_group_dequantize(Tensor packed, Tensor lo, Tensor step, Tensor offsets, Tensor constant, int bits, "
-      "int group_size, int run, int numel, ScalarType dtype) -> Tensor");
+      "int group_size, SymInt run, SymInt numel, ScalarType dtype) -> Tensor");
   m.def("fp8_quantize(Tensor x, int group_size) -> (Tensor, Tensor)");
-  m.def("fp8_dequantize(Tensor codes, Tensor scale, int group_size, int numel, ScalarType dtype) -> Tensor");
+  m.def("fp8_dequantize(Tensor codes, Tensor scale, int group_size, SymInt numel, ScalarType dtype) -> Tensor");
   m.def("level_quantize(Tensor x, Tensor levels, int bits, int seed) -> Tensor");
   m.def("sign_pack(Tensor x) -> Tensor");
-  m.def("sign_unpack(Tensor packed, int numel, ScalarType dtype) -> Tensor");
+  m.def("sign_unpack(Tensor packed, SymInt numel, ScalarType dtype) -> Tensor");
   m.def("sign_select(Tensor grad, Tensor packed) -> Tensor");
   m.def("topk_mask(Tensor x, int segments, int k, bool exact) -> Tensor");
   m.def("mask_compact(Tensor x, Tensor mask, int kept) -> Tensor");
-  m.def("mask_scatter(Tensor mask, Tensor values, int numel) -> Tensor");
-  m.def("mask_offsets(Tensor mask, int numel, int kept) -> (Tensor, Tensor)");
-  m.def("offsets_scatter(Tensor offsets, Tensor counts, Tensor values, int numel) -> Tensor");
+  m.def("mask_scatter(Tensor mask, Tensor values, SymInt numel) -> Tensor");
+  m.def("mask_offsets(Tensor mask, SymInt numel, int kept) -> (Tensor, Tensor)");
+  m.def("offsets_scatter(Tensor offsets, Tensor counts, Tensor values, SymInt numel) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchstash, CPU, m) {

@@ -15,6 +15,7 @@ and a script that never applies anything do not pay for it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 import weakref
 from collections.abc import Callable
@@ -183,7 +184,8 @@ def _enter_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         return None
     hooks, engine = _GRAPHED[model]
     stack = contextlib.ExitStack()
-    stack.enter_context(hooks.entered(signature(args, kwargs, model.training)))
+    called = signature(args, kwargs, model.training)
+    stack.enter_context(hooks.entered(called, lambda: arguments(model, args, kwargs)))
     stack.enter_context(engine.in_graph())
     return stack
 
@@ -196,6 +198,18 @@ def signature(args: tuple[Any, ...], kwargs: dict[str, Any], training: bool) -> 
         if isinstance(a, torch.Tensor):
             found.append((tuple(a.shape), a.dtype, a.device, a.requires_grad))
     return (tuple(found), tuple(sorted(kwargs)), training, torch.is_grad_enabled())
+
+
+def arguments(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The compiled frame's arguments by name: the model's ``forward``'s parameters bound to
+    the call (``{}`` where they do not bind)."""
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return {}
+    return dict(bound.arguments)
 
 
 def _leave_graph(left: Any) -> None:

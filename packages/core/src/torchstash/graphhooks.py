@@ -27,17 +27,18 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import seeds
+from . import graphcount, seeds
 from .compressor import Compressor, Encoder, encoder_of
 from .engine.scope import ModuleInfo
 from .engine.tally import Tally
-from .engine.totals import Totals, diff
+from .engine.totals import Totals
 from .errors import CompileFallbackWarning
 from .graphsite import relu_output, site_of
 from .kernels import kernels_in_graph
-from .layout import dense_strides, with_layout
+from .layout import dense_order, dense_strides, strides_in_order, with_layout
 from .packed import Packed, raw_nbytes
 from .signs import pack_sign, unpack_sign
 from .site import Site
@@ -48,6 +49,10 @@ Lookup = Callable[[str], "tuple[torch.nn.Module, ModuleInfo] | None"]
 #: what an attention kernel saves stays exact (its backward recomputes the map from them)
 ATTENTION_REASON = "an attention kernel's operands and outputs stay exact in a compiled graph"
 NO_OP_REASON = "no op saves it in the graph (a graph input or a constant)"
+DYNAMIC_REASON = (
+    "its code's record has sizes other than the value's, which a graph traced with dynamic "
+    "shapes cannot carry to its backward"
+)
 OP_SPECIFIC_REASON = "its code is one op's (a pool's positions), and a graph's value serves all"
 
 _STATE = threading.local()
@@ -118,26 +123,63 @@ class Decision:
     reason: str = ""
     #: a ReLU's output, its signs kept exact beside its code (:func:`_with_signs`)
     signs: bool = False
+    #: a value of symbolic sizes: the order its dimensions lie in memory (``strides`` would
+    #: be the forward's symbols), its sizes carried (:func:`shape_carrier`)
+    order: tuple[int, ...] | None = None
 
 
-def flatten(packed: Packed, leaves: list[torch.Tensor]) -> Packed:
-    """``packed``'s tensors appended to ``leaves``; the record with their positions instead."""
+#: a skeleton's shape that is the saved value's, read at unpack from the shape carrier
+#: (:func:`shape_carrier`): a graph traced with dynamic shapes has symbolic sizes, and those
+#: of the forward are not the backward's
+CARRIED = torch.Size([-1])
+
+
+def flatten(packed: Packed, leaves: list[torch.Tensor], carried: bool = False) -> Packed:
+    """``packed``'s tensors appended to ``leaves``; the record with their positions instead
+    (and with ``carried``, its shape as :data:`CARRIED`)."""
     tensors: dict[str, Any] = {}
     for key, value in packed.tensors.items():
         if isinstance(value, Packed):
-            tensors[key] = flatten(value, leaves)
+            tensors[key] = flatten(value, leaves, carried)
         else:
             tensors[key] = len(leaves)
             leaves.append(value)
-    return Packed(packed.codec, packed.shape, packed.dtype, packed.device, tensors, packed.meta)
+    shape = CARRIED if carried else packed.shape
+    return Packed(packed.codec, shape, packed.dtype, packed.device, tensors, packed.meta)
 
 
-def unflatten(skeleton: Packed, leaves: tuple[torch.Tensor, ...]) -> Packed:
+def unflatten(
+    skeleton: Packed, leaves: tuple[torch.Tensor, ...], shape: torch.Size | None = None
+) -> Packed:
     tensors: dict[str, Any] = {}
     for key, value in skeleton.tensors.items():
-        tensors[key] = unflatten(value, leaves) if isinstance(value, Packed) else leaves[value]
-    return Packed(
-        skeleton.codec, skeleton.shape, skeleton.dtype, skeleton.device, tensors, skeleton.meta
+        tensors[key] = (
+            unflatten(value, leaves, shape) if isinstance(value, Packed) else leaves[value]
+        )
+    size = shape if shape is not None and skeleton.shape is CARRIED else skeleton.shape
+    return Packed(skeleton.codec, size, skeleton.dtype, skeleton.device, tensors, skeleton.meta)
+
+
+def symbolic_shape(x: torch.Tensor) -> bool:
+    """Whether ``x``'s sizes are symbols (a graph traced with dynamic shapes)."""
+    return any(isinstance(n, torch.SymInt) and not n.node.expr.is_number for n in x.shape)
+
+
+def shape_carrier(x: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``x``'s sizes over one byte (all strides 0), saved beside a code of a value
+    of symbolic sizes: the backward graph reads the sizes from it, as its own symbols."""
+    return torch.empty_strided(x.shape, (0,) * x.dim(), dtype=torch.uint8, device=x.device)
+
+
+def _sizes_are_the_values(packed: Packed, x: torch.Tensor) -> bool:
+    """Whether every record in ``packed`` has ``x``'s shape and no symbolic setting: what a
+    code of a value of symbolic sizes must keep to be carried (:func:`shape_carrier`)."""
+    if tuple(packed.shape) != tuple(x.shape):
+        return False
+    if any(isinstance(v, torch.SymInt) for v in packed.meta.values()):
+        return False
+    return all(
+        _sizes_are_the_values(v, x) for v in packed.tensors.values() if isinstance(v, Packed)
     )
 
 
@@ -193,10 +235,11 @@ def data_seed(x: torch.Tensor, stream: int) -> torch.Tensor:
     """A 0-dim int64 seed computed in the graph from ``x``'s values (their bits) and ``stream``
     (the compressor's next seed): new each step as the data are, no generator consumed."""
     flat = x.detach().reshape(-1)
-    n = flat.numel()
-    picked = flat[:: max(1, n // _SAMPLES)][:_SAMPLES].float()
-    bits = picked.view(torch.int32).to(torch.int64)
-    weights = torch.arange(1, 2 * bits.numel() + 1, 2, dtype=torch.int64, device=x.device)
+    # positions spread over the tensor, computed from its size in the graph: no guard on
+    # the size (a graph traced with dynamic shapes serves every size)
+    where = torch.arange(_SAMPLES, dtype=torch.int64, device=x.device) * flat.numel() // _SAMPLES
+    bits = flat[where].float().view(torch.int32).to(torch.int64)
+    weights = torch.arange(1, 2 * _SAMPLES + 1, 2, dtype=torch.int64, device=x.device)
     stream64 = stream - (1 << 64) if stream >= 1 << 63 else stream
     return (bits * weights * _MIX).sum() + stream64
 
@@ -219,6 +262,8 @@ class GraphHooks:
         self._decided: dict[tuple[int, str], Decision] = {}
         #: what a forward with a given signature saves (counted at each such call)
         self._totals: dict[tuple[Any, ...], list[Totals]] = {}
+        #: the counts of the latest graph traced with dynamic shapes, in its size symbols
+        self._dynamic: list[Totals] | None = None
         self._scratch: Tally | None = None
         self._counted: set[tuple[int, str]] = set()
         self._warned: set[str] = set()
@@ -230,9 +275,15 @@ class GraphHooks:
     # -- around a compiled call ----------------------------------------------------------------
 
     @contextmanager
-    def entered(self, signature: tuple[Any, ...]) -> Iterator[None]:
+    def entered(
+        self,
+        signature: tuple[Any, ...],
+        arguments: Callable[[], dict[str, Any]] = dict,
+    ) -> Iterator[None]:
         """The hooks on (and this object current) for one call of the compiled model; what the
-        call's graphs save is counted in the tally once it returns."""
+        call's graphs save is counted in the tally once it returns: as traced for this
+        ``signature``, or, where a graph traced with dynamic shapes served it, that graph's
+        counts at this call's sizes (``arguments`` gives the compiled frame's, :mod:`.graphcount`)."""
         stack = getattr(_STATE, "stack", None)
         if stack is None:
             stack = _STATE.stack = []
@@ -250,7 +301,16 @@ class GraphHooks:
         if self.outside > outside:
             self._warn_outside(self.outside - outside)
         if scratch.rows:  # traced in this call: what the signature's graphs save
-            self._totals[signature] = diff({}, scratch)
+            traced = graphcount.totals_of(scratch)
+            if graphcount.symbolic(traced):
+                self._dynamic = traced
+            self._totals[signature] = graphcount.at(traced, arguments())
+        elif signature not in self._totals and self._dynamic is not None:
+            # a new shape no graph was traced for: the dynamic one served it
+            found = arguments()
+            if not graphcount.resolved(self._dynamic, found):
+                self._warn_sizes()
+            self._totals[signature] = graphcount.at(self._dynamic, found)
         totals = self._totals.get(signature)
         if totals is not None and torch.is_grad_enabled():
             self.tally.add_forward(totals)
@@ -283,11 +343,19 @@ class GraphHooks:
                     if relu_output(node):
                         packed = _with_signs(packed, x)
                         decision.signs = True
-                    leaves: list[torch.Tensor] = []
-                    decision.skeleton = flatten(packed, leaves)
-                    decision.compressor = compressor
-                    decision.strides = dense_strides(x)
-                    out = tuple(leaves)
+                    carried = symbolic_shape(x)
+                    if carried and not _sizes_are_the_values(packed, x):
+                        decision.reason = DYNAMIC_REASON
+                    else:
+                        leaves: list[torch.Tensor] = []
+                        decision.skeleton = flatten(packed, leaves, carried)
+                        decision.compressor = compressor
+                        if carried:
+                            decision.order = dense_order(x)
+                            leaves.append(shape_carrier(x))
+                        else:
+                            decision.strides = dense_strides(x)
+                        out = tuple(leaves)
                 else:
                     decision.reason = f"{compressor.name} declined it"
         self._decided[key] = decision
@@ -298,16 +366,22 @@ class GraphHooks:
         decision = self._decided.get((id(context["_fw_graph"]), context["_node"].name))
         if decision is None or decision.skeleton is None or decision.compressor is None:
             return packed[0]
-        record = unflatten(decision.skeleton, packed)
+        carrier = packed[-1] if decision.order is not None else None
+        shape = carrier.shape if carrier is not None else None
+        record = unflatten(decision.skeleton, packed, shape)
         with kernels_in_graph():
             if decision.signs:
                 value = _decode_with_signs(decision.compressor, record)
             else:
                 value = decision.compressor.decompress(record)
+        if carrier is not None and decision.order is not None:
+            return with_layout(value, strides_in_order(carrier.shape, decision.order))
         return with_layout(value, decision.strides)
 
     def _choose(self, x: torch.Tensor, site: Site) -> tuple[Compressor | None, str]:
-        if raw_nbytes(x) < self.min_bytes:
+        # decided without a guard where the size is a symbol: a value of symbolic size is
+        # coded (at its smaller sizes too) rather than the graph recompiled at the threshold
+        if statically_known_true(raw_nbytes(x) < self.min_bytes):
             return None, f"smaller than min_bytes={self.min_bytes}"
         if not site.op:
             return None, NO_OP_REASON
@@ -336,8 +410,10 @@ class GraphHooks:
         row = scratch.row(site)
         row.saved += 1
         row.ops[site.op or "?"] += 1
-        raw = int(raw_nbytes(x))
-        stored = sum(int(raw_nbytes(t)) for t in out) if decision.compressor else raw
+        raw = raw_nbytes(x)  # a SymInt in a graph traced with dynamic shapes: kept one
+        stored = sum(raw_nbytes(t) for t in out) if decision.compressor else raw
+        if decision.order is not None:  # the shape carrier holds one byte, not its sizes'
+            stored = stored - raw_nbytes(out[-1]) + 1
         row.raw_bytes += raw
         row.stored_bytes += stored
         row.held_bytes += stored
@@ -356,6 +432,20 @@ class GraphHooks:
             "its backend has no AOTAutograd (backend='eager'), or its graph breaks. Compile "
             "with a backend that has it (inductor, the default, or aot_eager), with "
             "fullgraph=True to find a break.",
+            CompileFallbackWarning,
+            stacklevel=3,
+        )
+
+    def _warn_sizes(self) -> None:
+        if "<sizes>" in self._warned:
+            return
+        self._warned.add("<sizes>")
+        warnings.warn(
+            f"torchstash: {self.strategy!r} counts what a graph traced with dynamic shapes "
+            "saves at each call's sizes, read from the model's arguments; the compiled "
+            "function's sizes are not among them (a compiled function that calls the model), "
+            "so the tally counts these calls at the sizes the graph was traced at. Compile the "
+            "model itself (torch.compile(model)) for exact counts; the codes are unaffected.",
             CompileFallbackWarning,
             stacklevel=3,
         )

@@ -7,6 +7,8 @@ original strides back (channels_last stays channels_last).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -53,6 +55,29 @@ def dense_strides(x: torch.Tensor) -> tuple[int, ...] | None:
     if x.is_contiguous() or memory_order(x)[1] is not None:
         return tuple(x.stride())
     return None
+
+
+def dense_order(x: torch.Tensor) -> tuple[int, ...]:
+    """The dimensions of ``x`` from outermost to innermost in memory when it is dense (what
+    :func:`strides_in_order` turns back into strides for any sizes); row-major order
+    otherwise, as :func:`dense_strides`' None restores it. For a tensor of symbolic sizes,
+    whose strides are expressions in them."""
+    rowmajor = tuple(range(x.dim()))
+    if x.layout != torch.strided or x.is_contiguous() or x.dim() < 2:
+        return rowmajor
+    order = tuple(sorted(range(x.dim()), key=lambda d: (-x.stride(d), -x.shape[d])))
+    return order if x.permute(order).is_contiguous() else rowmajor
+
+
+def strides_in_order(shape: torch.Size, order: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a dense tensor of ``shape`` whose dimensions lie in memory in
+    ``order`` (outermost first)."""
+    strides = [0] * len(shape)
+    step: Any = 1
+    for d in reversed(order):
+        strides[d] = step
+        step = step * max(shape[d], 1) if isinstance(shape[d], int) else step * shape[d]
+    return tuple(strides)
 
 
 def same_layout(x: torch.Tensor, strides: tuple[int, ...]) -> bool:

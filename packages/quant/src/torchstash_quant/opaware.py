@@ -62,7 +62,7 @@ from .masks import (
 )
 from .pool import CODEC as POOL_CODEC
 from .pool import POOL_FUNCS, pack_pool_positions, pool_geometry, unpack_pool_positions
-from .rows import aligned_group_size, channel_major_run, normalized_run
+from .rows import aligned_group_size, channel_major_run, normalized_run, static_size
 
 #: Ops whose backward amplifies an error in their saved input (it is normalized again).
 #: Codes that hold what the op's backward reads exactly, in any float type (a ReLU's signs,
@@ -263,7 +263,7 @@ class OpAware(BaseCompressor):
         when the value codec takes a group size per tensor."""
         if self.group is None:
             return None
-        return aligned_group_size(run, self.group.group_size)
+        return aligned_group_size(static_size(run), self.group.group_size)
 
     def _row_group_size(self, x: torch.Tensor) -> int | None:
         """A group size that keeps each group inside one row (innermost dimension), where
@@ -271,7 +271,7 @@ class OpAware(BaseCompressor):
         step (on the GPT at 4 bits, the LM head's 128-wide rows: cosine 0.9891 to 0.9905)."""
         if x.dim() < 2 or x.stride(-1) != 1:
             return None
-        aligned = self._aligned(int(x.shape[-1]))
+        aligned = self._aligned(static_size(x.shape[-1]))
         if aligned is None or self.group is None:
             return None
         return aligned if 2 * aligned >= self.group.group_size else None

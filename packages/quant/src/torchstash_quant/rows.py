@@ -23,12 +23,20 @@ PLANE_NORM_OPS = frozenset({"batch_norm", "group_norm", "instance_norm"})
 MIN_ROW = 32
 
 
+def static_size(n: int | torch.SymInt | None) -> int | None:
+    """``n`` as an int, or None where it is a size of a graph traced with dynamic shapes: a
+    group size is the graph's, the same at every size, so it is never derived from one."""
+    if isinstance(n, torch.SymInt):
+        return int(n) if n.node.expr.is_number else None
+    return n
+
+
 def normalized_run(x: torch.Tensor, site: Site) -> int | None:
     """Elements in a row of ``x`` (in memory) that share one normalization statistic."""
     if x.dim() == 0 or x.numel() == 0:
         return None
     if site.op in ROW_NORM_OPS and x.stride(-1) == 1:
-        return int(x.shape[-1])
+        return x.shape[-1]
     if site.op in PLANE_NORM_OPS and x.dim() >= 3 and x.is_contiguous():
         return math.prod(x.shape[2:])
     return None
@@ -40,7 +48,7 @@ def channel_major_run(x: torch.Tensor, site: Site) -> int | None:
     group, but a channel over the batch is not, and BatchNorm normalizes exactly over it."""
     if site.op != "batch_norm" or x.dim() < 2 or not x.is_contiguous() or x.numel() == 0:
         return None
-    return x.numel() // int(x.shape[1])
+    return x.numel() // x.shape[1]
 
 
 def aligned_group_size(run: int | None, group_size: int) -> int | None:

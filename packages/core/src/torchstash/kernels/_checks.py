@@ -54,7 +54,11 @@ def check_float_tensor(t: object, name: str, *, op: str) -> torch.Tensor:
 
 
 def check_count(value: object, name: str, *, op: str, low: int = 1, hint: str = "") -> int:
-    """An int of at least ``low`` (not a bool); ``hint`` says what it counts."""
+    """An int of at least ``low`` (not a bool); ``hint`` says what it counts. A size of a
+    graph traced with dynamic shapes (a SymInt) is checked as the fake kernels check it."""
+    if isinstance(value, torch.SymInt):
+        traced_count(value, name, low)
+        return value
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         tail = f"; {hint}" if hint else ""
         raise ValueError(f"{op}: {_count_text(name, value, low, '')}{tail}")
@@ -93,6 +97,9 @@ def traced_dtype(t: torch.Tensor, name: str, dtype: torch.dtype) -> None:
 
 
 def check_numel(numel: int, *, op: str) -> int:
+    if isinstance(numel, torch.SymInt):  # a size of a graph traced with dynamic shapes
+        traced_count(numel, "numel", 0)
+        return numel
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise ValueError(f"{op}: numel must be an int >= 0, got {numel!r}")
     return numel
