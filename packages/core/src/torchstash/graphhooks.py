@@ -39,7 +39,7 @@ from .errors import CompileFallbackWarning
 from .graphsite import relu_output, site_of
 from .kernels import kernels_in_graph
 from .layout import dense_order, dense_strides, strides_in_order, with_layout
-from .packed import Packed, raw_nbytes
+from .packed import Allocation, Packed, allocation, raw_nbytes
 from .signs import pack_sign, unpack_sign
 from .site import Site
 
@@ -244,6 +244,19 @@ def data_seed(x: torch.Tensor, stream: int) -> torch.Tensor:
     return (bits * weights * _MIX).sum() + stream64
 
 
+def _held(sizes: list[Any], rule: Allocation) -> Any:
+    """What the allocator holds for tensors of ``sizes`` bytes, each over a storage of its own
+    (:class:`~torchstash.packed.Allocation`); a symbolic size counts its records and bytes, its
+    rounding left out (rounding a symbol would guard on it)."""
+    total: Any = 0
+    for n in sizes:
+        if isinstance(n, torch.SymInt) and not n.node.expr.is_number:
+            total = total + n + rule.tensor + rule.storage
+        else:
+            total += rule.held(int(n))
+    return total
+
+
 class GraphHooks:
     """One applied strategy's graph-module hooks and its decisions while they are traced."""
 
@@ -411,12 +424,12 @@ class GraphHooks:
         row.saved += 1
         row.ops[site.op or "?"] += 1
         raw = raw_nbytes(x)  # a SymInt in a graph traced with dynamic shapes: kept one
-        stored = sum(raw_nbytes(t) for t in out) if decision.compressor else raw
+        kept = [raw_nbytes(t) for t in out] if decision.compressor else [raw]
         if decision.order is not None:  # the shape carrier holds one byte, not its sizes'
-            stored = stored - raw_nbytes(out[-1]) + 1
+            kept[-1] = 1
         row.raw_bytes += raw
-        row.stored_bytes += stored
-        row.held_bytes += stored
+        row.stored_bytes += sum(kept)
+        row.held_bytes += _held(kept, allocation(x.device))
         if decision.compressor is not None:
             row.compressed += 1
         elif decision.reason:

@@ -49,7 +49,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -215,29 +215,39 @@ class Case:
     options: dict[str, dict[str, Any]] | None = None
 
 
-def read(case: Case, strategy: str | None = None, **options: Any) -> Reading:
+def read(
+    case: Case, strategy: str | None = None, *, backend: str | None = None, **options: Any
+) -> Reading:
     """The gauge and the tally on ``case`` under ``strategy`` (None: stock, nothing applied).
 
     One step runs first (kernels load, caches fill, gradients are allocated) and the graph's
     overhead is read on the stock model; then the strategy is applied, one step runs again,
-    and the next forward is read."""
+    and the next forward is read. With ``backend``, each forward is ``torch.compile``'s with
+    that backend (its graph is one autograd node: no overhead is read)."""
     from ..api import apply
+
+    def compiled(model: nn.Module) -> nn.Module:
+        if backend is None:
+            return model
+        return cast(nn.Module, torch.compile(model, backend=backend))
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
         model = case.build()
-        case.forward(model).backward()
-        overhead = graph_overhead(lambda: case.forward(model))
+        run = compiled(model)
+        case.forward(run).backward()
+        overhead = 0 if backend else graph_overhead(lambda: case.forward(model))
         if strategy is None:
-            heap = held_by_graph(lambda: case.forward(model))
+            heap = held_by_graph(lambda: case.forward(run))
             return Reading(case.name, "stock", heap, overhead)
         opts = dict((case.options or {}).get(strategy, {}), **options)
         with apply(model, strategy, **opts) as handle:
-            case.forward(model).backward()
+            run = compiled(model)
+            case.forward(run).backward()
             handle.tally.reset()
-            heap = held_by_graph(lambda: case.forward(model))
+            heap = held_by_graph(lambda: case.forward(run))
             tally = handle.tally
             host = sum(r.host_bytes for r in tally.rows.values())
             return Reading(
