@@ -485,3 +485,24 @@ def test_a_compiled_function_counts_each_length_of_a_dynamic_graph() -> None:
                 added.setdefault(n, []).append(handle.tally.stored_bytes - before)
         assert handle.graph is not None and any(d.order is not None for d in handle.graph.decisions)
     assert added[8][0] == added[8][1] < added[10][0] < added[12][0] < added[16][0], added
+
+
+def test_an_attention_kernel_s_operands_are_coded_and_its_log_sum_exp_kept() -> None:
+    """SDPA in the graph: ``q``, ``k``, ``v`` and its output coded as values, its log-sum-exp
+    (which its backward reads with them) kept exact; gradients near eager's."""
+    from torchstash.testing.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(128, 32, 64, 2, 4, sdpa=True)
+    x, y = _gpt_at(model, 32, 1)
+    with ts.apply(model, "quant.int8", seed=0):
+        want = _gpt_step(model, model, x, y)
+    with ts.apply(model, "quant.int8", seed=0) as handle:
+        got = _gpt_step(torch.compile(model, backend="aot_eager"), model, x, y)
+        assert handle.graph is not None
+        sdpa = [d for d in handle.graph.decisions if d.site.op == "scaled_dot_product_attention"]
+    coded = {d.site.role for d in sdpa if d.compressor is not None}
+    kept = [d for d in sdpa if d.compressor is None]
+    assert coded == {"input", "arg1", "arg2", "output"}, coded
+    assert kept and all("log-sum-exp" in d.reason for d in kept)
+    assert cosine(want, got) > 0.999

@@ -18,6 +18,7 @@ consumes none of torch's random numbers (a run is then comparable with one witho
 
 from __future__ import annotations
 
+import operator
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -46,8 +47,11 @@ from .site import Site
 Resolver = Callable[[Site, frozenset[str]], "Compressor | None"]
 Lookup = Callable[[str], "tuple[torch.nn.Module, ModuleInfo] | None"]
 
-#: what an attention kernel saves stays exact (its backward recomputes the map from them)
-ATTENTION_REASON = "an attention kernel's operands and outputs stay exact in a compiled graph"
+#: what an attention kernel saves besides q, k, v and its output
+ATTENTION_REASON = (
+    "an attention kernel's log-sum-exp, seeds and masks stay exact in a compiled graph (its "
+    "backward reads them with q, k, v and the output)"
+)
 NO_OP_REASON = "no op saves it in the graph (a graph input or a constant)"
 DYNAMIC_REASON = (
     "its code's record has sizes other than the value's, which a graph traced with dynamic "
@@ -257,6 +261,27 @@ def _held(sizes: list[Any], rule: Allocation) -> Any:
     return total
 
 
+_ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+def _attention_operand(node: torch.fx.Node, site: Site, x: torch.Tensor) -> bool:
+    """Whether an attention kernel's saved ``x`` is ``q``, ``k``, ``v`` or its output (its
+    first), which a code may round; its log-sum-exp (a cuDNN kernel's is 4-D too), seeds and
+    masks stay exact."""
+    if not (x.dim() == 4 and x.is_floating_point()):
+        return False
+    if site.role in ("input", "arg1", "arg2"):
+        return True
+    while node.op == "call_function" and node.target in _ALIASES and node.args:
+        node = node.args[0]  # type: ignore[assignment]
+    return (
+        site.role == "output"
+        and node.op == "call_function"
+        and node.target is operator.getitem
+        and node.args[1] == 0
+    )
+
+
 class GraphHooks:
     """One applied strategy's graph-module hooks and its decisions while they are traced."""
 
@@ -335,7 +360,7 @@ class GraphHooks:
         key = (id(context["_fw_graph"]), node.name)
         site = site_of(node, self.lookup)
         decision = Decision(site)
-        compressor, decision.reason = self._choose(x, site)
+        compressor, decision.reason = self._choose(x, site, node)
         out: tuple[torch.Tensor, ...] = (x.detach(),)
         if compressor is not None:
             stream = compressor_stream(compressor)
@@ -391,20 +416,27 @@ class GraphHooks:
             return with_layout(value, strides_in_order(carrier.shape, decision.order))
         return with_layout(value, decision.strides)
 
-    def _choose(self, x: torch.Tensor, site: Site) -> tuple[Compressor | None, str]:
+    def _choose(
+        self, x: torch.Tensor, site: Site, node: torch.fx.Node
+    ) -> tuple[Compressor | None, str]:
         # decided without a guard where the size is a symbol: a value of symbolic size is
         # coded (at its smaller sizes too) rather than the graph recompiled at the threshold
         if statically_known_true(raw_nbytes(x) < self.min_bytes):
             return None, f"smaller than min_bytes={self.min_bytes}"
         if not site.op:
             return None, NO_OP_REASON
-        if site.op == "scaled_dot_product_attention":
+        attention = site.op == "scaled_dot_product_attention"
+        if attention and not _attention_operand(node, site, x):
             return None, ATTENTION_REASON
         found = self.lookup(site.module)
         types = found[1].type_names if found is not None else frozenset({site.module_type})
         compressor = self.resolve(site, types)
         if compressor is None:
             return None, ""
+        if attention:
+            # q, k, v and the output, coded as values: the kernel's backward reads them
+            # with the exact log-sum-exp (kept), which its op-aware code does not know
+            compressor = getattr(compressor, "values", compressor)
         reasons = compressor.unsupported(x, site)
         if reasons:
             return None, "; ".join(reasons)
