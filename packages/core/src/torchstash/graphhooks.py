@@ -273,7 +273,7 @@ def _attention_operand(node: torch.fx.Node, site: Site, x: torch.Tensor) -> bool
     if site.role in ("input", "arg1", "arg2"):
         return True
     while node.op == "call_function" and node.target in _ALIASES and node.args:
-        node = node.args[0]  # type: ignore[assignment]
+        node = node.args[0]
     return (
         site.role == "output"
         and node.op == "call_function"
