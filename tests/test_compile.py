@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import torchstash as ts
-from torchstash.errors import CompileFallbackWarning
+from torchstash.errors import ApplyError, CompileFallbackWarning
 from torchstash.testing.models import ZooEntry, zoo
 
 STRATEGIES = ts.REGISTRY.names()
@@ -506,3 +506,31 @@ def test_an_attention_kernel_s_operands_are_coded_and_its_log_sum_exp_kept() -> 
     assert coded == {"input", "arg1", "arg2", "output"}, coded
     assert kept and all("log-sum-exp" in d.reason for d in kept)
     assert cosine(want, got) > 0.999
+
+
+def test_compile_budget_recomputes_before_the_codes() -> None:
+    """``compile_budget=``: inductor's partitioner keeps that share of what stock's compiled
+    graph saves (recomputing the cheapest values in backward), the strategy codes the rest;
+    gradients stay near eager's. A strategy that runs eagerly under compile refuses it."""
+    entry = MODELS["gpt"]
+    torch.manual_seed(0)
+    model = entry.build()
+    x, y = entry.batch(4, torch.device("cpu"))
+    raw = {}
+    for budget in (None, 0.3):
+        torch._dynamo.reset()
+        with ts.apply(model, "quant.int8", seed=0, compile_budget=budget) as handle:
+            model.zero_grad(set_to_none=True)
+            entry.loss(torch.compile(model), x, y).backward()  # type: ignore[arg-type]
+            raw[budget] = handle.tally.raw_bytes
+            grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    with ts.apply(model, "quant.int8", seed=0):
+        model.zero_grad(set_to_none=True)
+        entry.loss(model, x, y).backward()  # type: ignore[arg-type]
+        eager = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    assert raw[0.3] < 0.6 * raw[None], raw
+    assert cosine(eager, grads) > 0.999
+    with pytest.raises(ApplyError, match="compile_budget"):
+        ts.apply(model, "quant.fp8", compile_budget=0.5)
+    with pytest.raises(ApplyError, match="fraction"):
+        ts.apply(model, "quant.int8", compile_budget=1.5)

@@ -2,16 +2,21 @@
 
     python -m torchstash_bench.compiled                   # the zoo at --scale small, inductor
     python -m torchstash_bench.compiled --scale tiny --backend aot_eager --steps 3
+    python -m torchstash_bench.compiled --budget 0.5   # both compiled with that memory budget
 
 Per zoo model, four ways taking turns step by step in one process, one thread: compiled
 stock, the strategy compiled (in the graph where its codes trace: ``torchstash.graphhooks``),
 eager stock, the strategy eagerly. Prints each step's median over its stock's, and the saved
-bytes the tally counts over raw (compiled: what the graph's hooks coded).
+bytes the tally counts over raw (compiled: what the graph's hooks coded), and the strategy's
+compiled bytes over its eager bytes. ``--budget`` compiles stock with that
+``activation_memory_budget`` and the strategy with ``apply(..., compile_budget=)``: inductor's
+partitioner recomputes the cheapest values, the strategy codes the rest.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import time
@@ -26,7 +31,12 @@ from torchstash.testing.models import zoo
 
 
 def measure(
-    scale: str, strategy: str, backend: str, steps: int, warmup: int
+    scale: str,
+    strategy: str,
+    backend: str,
+    steps: int,
+    warmup: int,
+    budget: float | None = None,
 ) -> list[dict[str, Any]]:
     rows = []
     for entry in zoo(scale):
@@ -35,7 +45,8 @@ def measure(
         base = entry.build()
         x, y = entry.batch(entry.batch_size, torch.device("cpu"))
         stock, ours, eager = (copy.deepcopy(base) for _ in range(3))
-        graphed, eagerly = ts.apply(ours, strategy), ts.apply(eager, strategy)
+        graphed = ts.apply(ours, strategy, compile_budget=budget)
+        eagerly = ts.apply(eager, strategy)
         runs = {
             "compiled stock": (stock, torch.compile(stock, backend=backend)),
             "compiled": (ours, torch.compile(ours, backend=backend)),
@@ -48,8 +59,14 @@ def measure(
             for i in range(warmup + steps):
                 for name, (model, call) in runs.items():
                     model.zero_grad(set_to_none=True)
+                    patch = (
+                        torch._functorch.config.patch(activation_memory_budget=budget)
+                        if budget is not None and name == "compiled stock"
+                        else contextlib.nullcontext()
+                    )
                     start = time.perf_counter()
-                    entry.loss(call, x, y).backward()
+                    with patch:
+                        entry.loss(call, x, y).backward()
                     if i >= warmup:
                         times[name].append(time.perf_counter() - start)
         median = {k: statistics.median(v) for k, v in times.items()}
@@ -63,6 +80,9 @@ def measure(
                 "eager x": median["eager"] / median["stock"],
                 "compiled saved": graphed.tally.stored_bytes / max(1, graphed.tally.raw_bytes),
                 "eager saved": eagerly.tally.stored_bytes / max(1, eagerly.tally.raw_bytes),
+                # both counted over the same steps
+                "compiled/eager bytes": graphed.tally.stored_bytes
+                / max(1, eagerly.tally.stored_bytes),
             }
         )
         graphed.remove()
@@ -77,14 +97,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--steps", type=int, default=20, help="timed steps (default: 20)")
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument(
+        "--budget", type=float, default=None, help="activation_memory_budget of both compiles"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    for row in measure(args.scale, args.strategy, args.backend, args.steps, args.warmup):
+    rows = measure(args.scale, args.strategy, args.backend, args.steps, args.warmup, args.budget)
+    for row in rows:
         print(
             f"{row['model']}: {args.strategy} compiled {row['compiled x']:.2f}x compiled stock "
             f"({row['compiled stock ms']:.1f} ms{'' if row['in graph'] else ', eagerly'}), "
             f"eager {row['eager x']:.2f}x stock ({row['stock ms']:.1f} ms); saved/raw "
-            f"compiled {row['compiled saved']:.3f}, eager {row['eager saved']:.3f}"
+            f"compiled {row['compiled saved']:.3f}, eager {row['eager saved']:.3f}; compiled "
+            f"bytes {row['compiled/eager bytes']:.2f}x eager's"
         )
     return 0
 

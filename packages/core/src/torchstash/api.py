@@ -134,6 +134,7 @@ def apply(
     example: Any = None,
     candidates: Sequence[str] | None = None,
     registry: Registry | None = None,
+    compile_budget: float | None = None,
     **options: Any,
 ) -> Handle:
     """Make ``model`` save less for backward, in place (no copy; ``state_dict`` keys unchanged).
@@ -144,7 +145,11 @@ def apply(
     autograd saves on ``example`` (a function running one step's forward and returning the
     loss) under that many megabytes, with the least measured gradient error; the choice is in
     ``handle.budget`` (see :mod:`torchstash.budget`). ``registry``: where strategies are looked
-    up (default: the process's, with every installed plug-in).
+    up (default: the process's, with every installed plug-in). ``compile_budget``: under
+    ``torch.compile``, the fraction of stock's saved bytes the partitioner keeps while this
+    model's graphs are compiled (``torch._functorch.config.activation_memory_budget``: inductor
+    recomputes the cheapest values in backward, the strategy codes what it still saves); for
+    a strategy whose codes run in the graph.
     Returns a :class:`Handle`; ``handle.remove()`` or :func:`remove` restores the model.
     """
     if not isinstance(model, nn.Module):
@@ -167,12 +172,25 @@ def apply(
             min_bytes=min_bytes,
             registry=registry,
         )
-        handle = apply(model, policy=chosen.rules, min_bytes=min_bytes, registry=registry)
+        handle = apply(
+            model,
+            policy=chosen.rules,
+            min_bytes=min_bytes,
+            registry=registry,
+            compile_budget=compile_budget,
+        )
         handle.budget = chosen
         return handle
     if example is not None or candidates is not None:
         raise ApplyError("example= and candidates= go with budget_mb=")
     _refuse_applied(model)
+    if compile_budget is not None and not (
+        isinstance(compile_budget, (int, float)) and 0 < compile_budget <= 1
+    ):
+        raise ApplyError(
+            f"compile_budget must be a fraction in (0, 1] of stock's saved bytes, got "
+            f"{compile_budget!r}"
+        )
     plan = _as_plan(strategy, policy, options, registry)
     plan.check_types({n for m in model.modules() for n in tags.type_names(m)})
 
@@ -214,6 +232,15 @@ def apply(
                     stacklevel=2,
                 )
         _install_hooks(model, engine, handle)
+        if compile_budget is not None:
+            if handle.graph is None:
+                raise ApplyError(
+                    f"compile_budget= sets what the compiled graph saves before "
+                    f"{plan.policy.name!r} codes it, and {plan.policy.name!r} does not run "
+                    "in the compiled graph (see docs/compile.md): leave compile_budget out, "
+                    "or set torch._functorch.config.activation_memory_budget yourself"
+                )
+            handle.graph.memory_budget = float(compile_budget)
     except BaseException:
         handle.remove()
         raise

@@ -184,6 +184,10 @@ def _enter_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         return None
     hooks, engine = _GRAPHED[model]
     stack = contextlib.ExitStack()
+    if hooks.memory_budget is not None:
+        import torch._functorch.config as functorch_config
+
+        stack.enter_context(functorch_config.patch(activation_memory_budget=hooks.memory_budget))
     called = signature(args, kwargs, model.training)
     stack.enter_context(hooks.entered(called, lambda: arguments(model, args, kwargs)))
     stack.enter_context(engine.in_graph())

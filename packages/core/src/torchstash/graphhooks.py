@@ -309,6 +309,9 @@ class GraphHooks:
         self.decisions: list[Decision] = []
         #: tensors saved during compiled calls outside AOTAutograd's graphs (kept as they are)
         self.outside = 0
+        #: the partitioner's activation memory budget while the graphs are compiled (None:
+        #: the process's): ``apply(..., compile_budget=)``
+        self.memory_budget: float | None = None
 
     # -- around a compiled call ----------------------------------------------------------------
 
