@@ -534,3 +534,14 @@ def test_compile_budget_recomputes_before_the_codes() -> None:
         ts.apply(model, "quant.fp8", compile_budget=0.5)
     with pytest.raises(ApplyError, match="fraction"):
         ts.apply(model, "quant.int8", compile_budget=1.5)
+
+
+def test_an_empty_save_is_kept_with_min_bytes_zero() -> None:
+    """``min_bytes=0`` lets every value through to the code; an empty one is kept (its seed
+    would read values it does not have)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    with ts.apply(model, "quant.int8", min_bytes=0) as handle:
+        x = torch.randn(0, 8)
+        torch.compile(model, backend="aot_eager")(x).sum().backward()
+        assert handle.graph is not None
+        assert any(d.reason == "it is empty" for d in handle.graph.decisions)

@@ -52,6 +52,7 @@ ATTENTION_REASON = (
     "an attention kernel's log-sum-exp, seeds and masks stay exact in a compiled graph (its "
     "backward reads them with q, k, v and the output)"
 )
+EMPTY_REASON = "it is empty"
 NO_OP_REASON = "no op saves it in the graph (a graph input or a constant)"
 DYNAMIC_REASON = (
     "its code's record has sizes other than the value's, which a graph traced with dynamic "
@@ -426,6 +427,8 @@ class GraphHooks:
         # coded (at its smaller sizes too) rather than the graph recompiled at the threshold
         if statically_known_true(raw_nbytes(x) < self.min_bytes):
             return None, f"smaller than min_bytes={self.min_bytes}"
+        if statically_known_true(x.numel() == 0):  # (a symbolic size is 2 or more)
+            return None, EMPTY_REASON
         if not site.op:
             return None, NO_OP_REASON
         attention = site.op == "scaled_dot_product_attention"
