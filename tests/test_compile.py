@@ -545,3 +545,35 @@ def test_an_empty_save_is_kept_with_min_bytes_zero() -> None:
         torch.compile(model, backend="aot_eager")(x).sum().backward()
         assert handle.graph is not None
         assert any(d.reason == "it is empty" for d in handle.graph.decisions)
+
+
+class _Broken(torch.nn.Module):
+    """Two graphs: a graph break between its layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.fc1(x))
+        torch._dynamo.graph_break()
+        return self.fc2(torch.nn.functional.gelu(h))
+
+
+# dynamo reads ``.grad`` of a non-leaf while it traces the frame after the break (stock's too)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_a_dynamic_graph_after_a_graph_break_says_how_it_is_counted() -> None:
+    """The graph after a break has sizes of its own, not the model's arguments': its saves
+    at new sizes are counted as traced, and one warning says so; the codes still run."""
+    torch.manual_seed(0)
+    model = _Broken()
+    with ts.apply(model, "quant.int8", seed=0) as handle:
+        compiled = torch.compile(model, backend="aot_eager")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CompileFallbackWarning)
+            warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not")
+            for n in (4, 6, 8, 10):
+                compiled(torch.randn(n, 64)).square().sum().backward()
+        said = [str(w.message) for w in caught if issubclass(w.category, CompileFallbackWarning)]
+        assert len(said) == 1 and "graph break" in said[0], said
+        assert handle.graph is not None and any(d.order is not None for d in handle.graph.decisions)

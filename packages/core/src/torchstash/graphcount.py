@@ -7,7 +7,7 @@ turning them into numbers there (``int()``) would specialize the graph to the tr
 recompile it for each new one. So the counts keep their expressions (:class:`Bytes`), and each
 call evaluates them at its own sizes: each size symbol's value read from the call's arguments
 through the source dynamo recorded for it (``L['idx'].size()[1]``), or, where that source is
-not among the compiled frame's arguments (a compiled step function that calls the model), at
+not among the model's arguments (a graph after a graph break inside the model), at
 the traced value.
 """
 

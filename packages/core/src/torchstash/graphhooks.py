@@ -493,10 +493,11 @@ class GraphHooks:
         self._warned.add("<sizes>")
         warnings.warn(
             f"torchstash: {self.strategy!r} counts what a graph traced with dynamic shapes "
-            "saves at each call's sizes, read from the model's arguments; the compiled "
-            "function's sizes are not among them (a compiled function that calls the model), "
-            "so the tally counts these calls at the sizes the graph was traced at. Compile the "
-            "model itself (torch.compile(model)) for exact counts; the codes are unaffected.",
+            "saves at each call's sizes, read from the model's arguments; some of this "
+            "model's graphs have sizes of their own (a graph after a graph break inside the "
+            "model), which the tally counts at the sizes they were traced at. The codes are "
+            "unaffected; for exact counts, compile without graph breaks (fullgraph=True finds "
+            "them).",
             CompileFallbackWarning,
             stacklevel=3,
         )
