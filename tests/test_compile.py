@@ -577,3 +577,35 @@ def test_a_dynamic_graph_after_a_graph_break_says_how_it_is_counted() -> None:
         said = [str(w.message) for w in caught if issubclass(w.category, CompileFallbackWarning)]
         assert len(said) == 1 and "graph break" in said[0], said
         assert handle.graph is not None and any(d.order is not None for d in handle.graph.decisions)
+
+
+def test_compile_budget_keeps_what_eager_keeps_exact() -> None:
+    """Under ``compile_budget`` a ResNet's ReLU outputs and BatchNorm statistics are saved
+    (the partitioner would recompute them from coded values): the ReLU outputs are coded with
+    their signs exact, and the gradients stay near eager's."""
+    entry = MODELS["resnet"]
+    torch.manual_seed(0)
+    model = entry.build()
+    x, y = entry.batch(8, torch.device("cpu"))
+    with ts.apply(model, "quant.int8", seed=0):
+        model.zero_grad(set_to_none=True)
+        entry.loss(model, x, y).backward()  # type: ignore[arg-type]
+        eager = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    with ts.apply(model, "quant.int8", seed=0, compile_budget=0.5) as handle:
+        model.zero_grad(set_to_none=True)
+        entry.loss(torch.compile(model), x, y).backward()  # type: ignore[arg-type]
+        got = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        assert handle.graph is not None
+        assert any(d.signs for d in handle.graph.decisions), "no ReLU output saved"
+    assert cosine(eager, got) > 0.9999
+
+
+def test_keep_exact_joins_the_user_s_own_joint_passes() -> None:
+    from torchstash.graphkeep import KEEP_EXACT, with_keep_exact
+
+    def mine(graph: torch.fx.Graph) -> None:
+        return None
+
+    assert with_keep_exact(None) == (KEEP_EXACT,)
+    assert with_keep_exact(mine) == (mine, KEEP_EXACT)
+    assert with_keep_exact([mine, KEEP_EXACT]) == (mine, KEEP_EXACT)

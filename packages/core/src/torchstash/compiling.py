@@ -186,8 +186,13 @@ def _enter_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     stack = contextlib.ExitStack()
     if hooks.memory_budget is not None:
         import torch._functorch.config as functorch_config
+        import torch._inductor.config as inductor_config
+
+        from .graphkeep import with_keep_exact
 
         stack.enter_context(functorch_config.patch(activation_memory_budget=hooks.memory_budget))
+        passes = with_keep_exact(inductor_config.joint_custom_pre_pass)
+        stack.enter_context(inductor_config.patch(joint_custom_pre_pass=passes))
     called = signature(args, kwargs, model.training)
     stack.enter_context(hooks.entered(called, lambda: arguments(model, args, kwargs)))
     stack.enter_context(engine.in_graph())
