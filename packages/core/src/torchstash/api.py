@@ -20,6 +20,7 @@ from . import tags
 if TYPE_CHECKING:
     from .budget import BudgetPlan
 from .compiling import EagerUnderCompile, GraphUnderCompile, compiling, warn_compiled
+from .compressor import graph_refusal
 from .engine import DEFAULT_MIN_BYTES, Engine, ModuleInfo, Tally
 from .engine.replay import Replayer
 from .errors import ApplyError, NothingToRewriteWarning
@@ -231,16 +232,7 @@ def apply(
                     NothingToRewriteWarning,
                     stacklevel=2,
                 )
-        _install_hooks(model, engine, handle)
-        if compile_budget is not None:
-            if handle.graph is None:
-                raise ApplyError(
-                    f"compile_budget= sets what the compiled graph saves before "
-                    f"{plan.policy.name!r} codes it, and {plan.policy.name!r} does not run "
-                    "in the compiled graph (see docs/compile.md): leave compile_budget out, "
-                    "or set torch._functorch.config.activation_memory_budget yourself"
-                )
-            handle.graph.memory_budget = float(compile_budget)
+        _install_hooks(model, engine, handle, compile_budget)
     except BaseException:
         handle.remove()
         raise
@@ -327,18 +319,30 @@ def _rewrite(model: nn.Module, plan: Plan, handle: Handle) -> None:
             module = new
 
 
-def _install_hooks(model: nn.Module, engine: Engine, handle: Handle) -> None:
+def _install_hooks(
+    model: nn.Module, engine: Engine, handle: Handle, compile_budget: float | None
+) -> None:
     compresses = handle.plan.has_compressors
     infos = list(_infos(model))
-    graphed = compresses and _traces(handle.plan)
+    refusals = _graph_refusals(handle.plan, compile_budget is not None)
+    graphed = compresses and not refusals
+    if compile_budget is not None and not graphed:
+        why = "; ".join(refusals) if refusals else "it compresses nothing"
+        raise ApplyError(
+            f"compile_budget= sets what the compiled graph saves before "
+            f"{handle.plan.policy.name!r} codes it, and {handle.plan.policy.name!r} does not "
+            f"run in the compiled graph ({why}; see docs/compile.md): leave compile_budget "
+            "out, or set torch._functorch.config.activation_memory_budget yourself"
+        )
     if graphed:
         graph = GraphHooks(
             engine.resolve, engine.min_bytes, _lookup(infos), handle.policy.name, engine.tally
         )
+        graph.memory_budget = None if compile_budget is None else float(compile_budget)
         handle.graph = graph
         handle.hooks.append(GraphUnderCompile(model, graph, engine))
     elif compresses:
-        handle.hooks.append(EagerUnderCompile(model, handle.policy.name))
+        handle.hooks.append(EagerUnderCompile(model, handle.policy.name, refusals))
     for _, module, info in infos:
 
         def pre(m: nn.Module, args: Any, info: ModuleInfo = info) -> None:
@@ -357,13 +361,16 @@ def _install_hooks(model: nn.Module, engine: Engine, handle: Handle) -> None:
         handle.hooks.append(module.register_forward_hook(post, always_call=True))
 
 
-def _traces(plan: Plan) -> bool:
-    """Whether every compressor of ``plan`` traces into a compiled graph."""
-    return all(
-        getattr(b.compressor, "traceable", False)
-        for b in plan.built.values()
-        if b.compressor is not None
-    )
+def _graph_refusals(plan: Plan, budgeted: bool) -> list[str]:
+    """Why ``plan``'s compressors do not run in a compiled graph, one line each (none where
+    every one does): ``budgeted``, the model is applied with ``compile_budget``."""
+    found: list[str] = []
+    for b in plan.built.values():
+        if b.compressor is not None:
+            why = graph_refusal(b.compressor, budgeted)
+            if why is not None and why not in found:
+                found.append(why)
+    return found
 
 
 def _lookup(

@@ -1,11 +1,13 @@
 """What ``torch.compile`` sees of a model torchstash was applied to.
 
-The engine compresses saved tensors in Python hooks (``saved_tensors_hooks`` and an op
-tracker) that cannot run inside a compiled graph: traced, they would either be dropped or
-replayed wrongly. So a model whose strategy compresses saved tensors runs *eagerly* under
-``torch.compile``, with the memory savings intact and one warning saying so. Rewrite-only
-strategies (``memsave``) change the model's modules, which compile as they are: there the
-hooks step aside while dynamo traces, and the compiled graph holds the rewritten layers.
+Where every compressor of the strategy has a traced form (:func:`~.compressor.graph_refusal`:
+``quant.int8`` and its presets; ``quant.int4`` with ``compile_budget``), the model's compiled
+call runs with the strategy's GraphModule saved-tensor hooks on (:class:`GraphUnderCompile`,
+:mod:`.graphhooks`): the codes run inside the compiled forward and backward. Any other
+compressing strategy runs *eagerly* under ``torch.compile``, with the memory savings intact and
+one warning quoting its compressors' reasons (under ``fullgraph=True``, dynamo's error quotes
+them). Rewrite-only strategies (``memsave``) change the model's modules, which compile as they
+are: there the hooks step aside while dynamo traces.
 
 ``torch.compiler.disable`` imports all of dynamo (over a second), so the disabled functions
 are made when a model is first applied to, not when torchstash is imported: ``torchstash list``
@@ -18,16 +20,19 @@ import contextlib
 import inspect
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from .compressor import NOT_TRACEABLE
 from .errors import CompileFallbackWarning
 
 _WARNED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 _STRATEGY: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+#: why an applied model's strategy runs eagerly under torch.compile (its compressors' reasons)
+_WHY: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
 _REASON = "torchstash compresses saved tensors in Python hooks, which a compiled graph cannot run"
 
@@ -45,26 +50,29 @@ def _call_eagerly(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 _DISABLED: dict[str, Callable[..., Any]] = {}
 
 
-def _prepare(strategy: str | None = None) -> None:
+def _prepare(strategy: str | None = None, why: str = "") -> None:
     """Make the disabled functions (imports dynamo): at apply time, before any tracing."""
     if not _DISABLED:
         _DISABLED["run"] = torch.compiler.disable(_call_eagerly, reason=_REASON)
     for what in ("eager", "traced"):
-        key = f"warn:{strategy}:{what}"
+        key = f"warn:{strategy}:{what}:{why}"
         if strategy is not None and key not in _DISABLED:
-            _DISABLED[key] = torch.compiler.disable(_warn, reason=fullgraph_reason(strategy, what))
+            _DISABLED[key] = torch.compiler.disable(
+                _warn, reason=fullgraph_reason(strategy, what, why)
+            )
 
 
-def fullgraph_reason(strategy: str, what: str) -> str:
+def fullgraph_reason(strategy: str, what: str, why: str = "") -> str:
     """What ``torch.compile(..., fullgraph=True)`` reports (its error quotes the reason a
-    disabled function gives): the warning's call is where the graph must break."""
+    disabled function gives): the warning's call is where the graph must break. ``why``:
+    the compressors' own reasons for not running in the graph."""
     if what == "eager":
         return (
-            f"torchstash: {strategy!r} is applied to this model and compresses saved tensors in "
-            "Python hooks that a compiled graph cannot run, so the model runs eagerly under "
+            f"torchstash: {strategy!r} is applied to this model and its codes do not run in a "
+            f"compiled graph ({why or NOT_TRACEABLE}), so the model runs eagerly under "
             "torch.compile; fullgraph=True forbids that. Compile without fullgraph=True (memory "
-            "is saved, as eagerly), use a rewrite-only strategy (memsave), or remove() the "
-            "strategy before compiling"
+            "is saved, as eagerly), do what the reason says, or remove() the strategy before "
+            "compiling"
         )
     return (
         f"torchstash: {strategy!r} is applied to this model, which Module.compile() traces "
@@ -75,8 +83,9 @@ def fullgraph_reason(strategy: str, what: str) -> str:
 def warn_compiled(module: nn.Module, what: str) -> None:
     """Warn once per model (dynamo calls this at run time where it met it while tracing)."""
     strategy = _STRATEGY.get(module, "the applied strategy")
-    _prepare(strategy)
-    _DISABLED[f"warn:{strategy}:{what}"](module, what)
+    why = _WHY.get(module, "")
+    _prepare(strategy, why)
+    _DISABLED[f"warn:{strategy}:{what}:{why}"](module, what)
 
 
 def _warn(module: nn.Module, what: str) -> None:
@@ -86,11 +95,10 @@ def _warn(module: nn.Module, what: str) -> None:
     strategy = _STRATEGY.get(module, "the applied strategy")
     if what == "eager":
         text = (
-            f"torchstash: {strategy!r} compresses saved tensors in Python hooks that cannot run "
-            f"inside a torch.compile graph, so {type(module).__name__} runs eagerly under "
-            "torch.compile: memory is saved as without compile, with no compile speed-up. "
-            "To compile, use a rewrite-only strategy (memsave) or torch.compile without "
-            "torchstash."
+            f"torchstash: the codes of {strategy!r} do not run inside a torch.compile graph "
+            f"({_WHY.get(module) or NOT_TRACEABLE}), so {type(module).__name__} runs eagerly "
+            "under torch.compile: memory is saved as without compile, with no compile "
+            "speed-up (docs/compile.md lists what runs in the graph)."
         )
     else:
         text = (
@@ -132,10 +140,12 @@ def applied_class(cls: type) -> type:
 class EagerUnderCompile:
     """Makes ``model`` run eagerly when a compiled function calls it; ``remove`` undoes it."""
 
-    def __init__(self, model: nn.Module, strategy: str) -> None:
-        _prepare(strategy)
+    def __init__(self, model: nn.Module, strategy: str, why: Sequence[str] = ()) -> None:
+        joined = "; ".join(why)
+        _prepare(strategy, joined)
         self._model = weakref.ref(model)
         _STRATEGY[model] = strategy
+        _WHY[model] = joined
         self._class = type(model)
         try:
             model.__class__ = applied_class(self._class)
@@ -151,6 +161,7 @@ class EagerUnderCompile:
             model.__class__ = self._class
         model.__dict__.pop("_call_impl", None)
         _STRATEGY.pop(model, None)
+        _WHY.pop(model, None)
         _WARNED.pop(model, None)
 
 
@@ -186,13 +197,15 @@ def _enter_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     stack = contextlib.ExitStack()
     if hooks.memory_budget is not None:
         import torch._functorch.config as functorch_config
-        import torch._inductor.config as inductor_config
 
         from .graphkeep import with_keep_exact
 
-        stack.enter_context(functorch_config.patch(activation_memory_budget=hooks.memory_budget))
-        passes = with_keep_exact(inductor_config.joint_custom_pre_pass)
-        stack.enter_context(inductor_config.patch(joint_custom_pre_pass=passes))
+        stack.enter_context(
+            functorch_config.patch(
+                activation_memory_budget=hooks.memory_budget,
+                joint_custom_pass=with_keep_exact(functorch_config.joint_custom_pass),
+            )
+        )
     called = signature(args, kwargs, model.training)
     stack.enter_context(hooks.entered(called, lambda: arguments(model, args, kwargs)))
     stack.enter_context(engine.in_graph())

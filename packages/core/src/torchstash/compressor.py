@@ -51,7 +51,11 @@ class Compressor(Protocol):
     what it decides from the site, shape, dtype and layout (all the same on a replayed save)
     decided once. One whose
     widths change now and then (an allocation) also defines ``replays_next() -> bool``: False
-    sends the next forward down the full path and records it anew.
+    sends the next forward down the full path and records it anew. A compressor whose codes
+    run inside a compiled graph (:mod:`.graphhooks`: torch ops, kernels with fake kernels,
+    nothing read on the host) sets ``traceable = True``, or says why not per setting with
+    ``graph_refusal(budgeted) -> str | None`` (``budgeted``: the model is applied with
+    ``compile_budget``, so the partitioner recomputes before the codes).
     """
 
     name: str
@@ -191,3 +195,21 @@ def replays_next(compressor: Compressor) -> bool:
     """Whether the next forward may replay ``compressor``'s codes (see :class:`Compressor`)."""
     told = getattr(compressor, "replays_next", None)
     return bool(told()) if told is not None else True
+
+
+#: what a compressor that says nothing of compiled graphs is told (see :func:`graph_refusal`)
+NOT_TRACEABLE = "its codes have no traced form (torch ops only): it compresses in Python hooks"
+
+
+def graph_refusal(compressor: Compressor, budgeted: bool) -> str | None:
+    """Why a compiled graph does not run ``compressor``'s codes, None where it does: its
+    ``graph_refusal``, else its ``traceable`` flag (see :class:`Compressor`), after its name."""
+    told = getattr(compressor, "graph_refusal", None)
+    if told is not None:
+        why = told(budgeted)
+    else:
+        why = None if getattr(compressor, "traceable", False) else NOT_TRACEABLE
+    if why is None:
+        return None
+    name = getattr(compressor, "name", type(compressor).__name__)
+    return why if why.startswith(f"{name}: ") else f"{name}: {why}"

@@ -125,16 +125,39 @@ class GroupQuantizer(BaseCompressor):
         packed.meta.update(bits=bits, group_size=group_size, order=None)
         return packed
 
+    def graph_refusal(self, budgeted: bool) -> str | None:
+        """Why a compiled graph does not run its codes (None where it does, see
+        :mod:`torchstash.graphhooks`). At 8 bits it always does. At 4 bits the codes trace,
+        but the gradients stay near stock's only where the partitioner recomputes what the
+        eager engine recomputes (LayerNorm outputs from their coded inputs, attention maps
+        from coded ``q`` and ``k``): without ``compile_budget`` the zoo's GPT under int4 came
+        to cosine 0.990 compiled against 0.9998 eager; with ``compile_budget=0.5`` 0.99999.
+        At 2 bits even the budget leaves the ViT and the ResNet short of eager (0.981 against
+        0.991, 0.708 against 0.823: ``docs/compile.md``). At 1 bit the code reads on the host
+        whether a group holds NaN or Inf (see :meth:`encode`)."""
+        if self.bits == 8 or (self.bits == 4 and budgeted):
+            return None
+        if self.bits == 4:
+            return (
+                "at 4 bits a compiled graph keeps eager's accuracy only with a recompute "
+                "budget: apply(model, ..., compile_budget=0.5) runs it in the graph"
+            )
+        if self.bits == 2:
+            return (
+                "at 2 bits a compiled graph leaves the gradients further from stock's than "
+                "eager does, even with a recompute budget (docs/compile.md); quant.int8, or "
+                "quant.int4 with compile_budget=, run in the graph"
+            )
+        return (
+            "at 1 bit the code reads on the host whether a group holds NaN or Inf, which a "
+            "compiled graph cannot; quant.int8, or quant.int4 with compile_budget=, run in "
+            "the graph"
+        )
+
     @property
     def traceable(self) -> bool:
-        """Whether a compiled graph runs its codes (:mod:`torchstash.graphhooks`): at 8 bits.
-        Its codes trace at 2 and 4 bits too, but there the eager engine's recomputations keep
-        the gradients near stock's (LayerNorm outputs from their 8-bit inputs, attention maps
-        from 8-bit ``q`` and ``k``), which the graph does not make yet: the zoo's GPT under
-        int4 came to cosine 0.989 compiled against 0.9997 eager, its ResNet under int2 0.28
-        against 0.85, so those widths run eagerly under ``torch.compile``. At 1 bit the code
-        reads on the host whether a group holds NaN or Inf (see :meth:`encode`)."""
-        return self.bits == 8
+        """Whether a compiled graph runs its codes with no recompute budget."""
+        return self.graph_refusal(False) is None
 
     def decompress(self, packed: Packed) -> torch.Tensor:
         return decode_group(packed)

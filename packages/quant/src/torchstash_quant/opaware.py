@@ -38,6 +38,7 @@ from torchstash.compressor import (
     BaseCompressor,
     Compressor,
     Encoder,
+    graph_refusal,
     replays_at,
     replays_next,
 )
@@ -422,11 +423,15 @@ class OpAware(BaseCompressor):
         bits = self.attn_bits if kind == "attn" else self.act_bits if kind == "act" else None
         return self.group.encoder_as(site, GroupCode(bits, rows))
 
+    def graph_refusal(self, budgeted: bool) -> str | None:
+        """Why a compiled graph does not run its codes (:mod:`torchstash.graphhooks`): its
+        value codec's reason, the graph codes values only (see :meth:`value_encoder`)."""
+        return graph_refusal(self.values, budgeted)
+
     @property
     def traceable(self) -> bool:
-        """Whether a compiled graph traces its codes (:mod:`torchstash.graphhooks`): where
-        its value codec's do."""
-        return bool(getattr(self.values, "traceable", False))
+        """Whether a compiled graph runs its codes with no recompute budget."""
+        return self.graph_refusal(False) is None
 
     def value_encoder(self, x: torch.Tensor, site: Site) -> Encoder | None:
         """The encoder of a code whose restore is the value itself, which any op may read: a
