@@ -21,6 +21,7 @@
 
 #include "clones.h"
 #include "float_spans.h"
+#include "simd.h"
 #include "torchstash/channelquant.h"
 #include "torchstash/cpu_kernels.h"
 #include "torchstash/groupquant.h"
@@ -119,60 +120,64 @@ __attribute__((always_inline)) inline std::uint8_t select_code(float v, float lo
   return static_cast<std::uint8_t>(groupquant::is_finite_bits(xb) ? code : special);
 }
 
-// 16 floats (or their bits) as one GCC vector: each clone lowers it to its own registers.
-typedef float F16 __attribute__((vector_size(64)));
-typedef std::uint32_t U16 __attribute__((vector_size(64)));
-typedef std::int32_t I16 __attribute__((vector_size(64)));
-typedef std::uint8_t U8x16 __attribute__((vector_size(16)));
-
-// select_code for 16 elements: w = s + u with s from a positive step (0 otherwise, as
+// select_code for N elements (simd.h): w = s + u with s from a positive step (0 otherwise, as
 // channelquant::finite_code), clamped and truncated; the non-finite x replaced by their codes.
-__attribute__((always_inline)) inline U8x16 select_codes(F16 v, F16 lo, F16 step, F16 u) {
-  const I16 pos = step > 0.0f;
-  const F16 num = v - lo;
-  const F16 den = pos ? step : F16{} + 1.0f;
-  F16 w = num / den;
-  w = (pos ? w : F16{}) + u;
+template <int N>
+__attribute__((always_inline)) inline ByteV<N> select_codes(const FloatV<N>& v, const FloatV<N>& lo, const FloatV<N>& step,
+                                                         const FloatV<N>& u) {
+  const IntV<N> pos = step > 0.0f;
+  const FloatV<N> num = v - lo;
+  const FloatV<N> den = pos ? step : FloatV<N>{} + 1.0f;
+  FloatV<N> w = num / den;
+  w = (pos ? w : FloatV<N>{}) + u;
   w = w >= 0.0f ? w : 0.0f;  // a NaN fails the compare: 0
   w = w < channelquant::kTop ? w : channelquant::kTop;
-  const U16 code = __builtin_convertvector(__builtin_convertvector(w, I16), U16) & 0xFFu;
-  const U16 xb = (U16)v;
-  const U16 special = (xb & 0x7FFFFFu) != 0u ? U16{} + channelquant::kNaN
-                      : (xb >> 31) != 0u     ? U16{} + channelquant::kNegInf
-                                             : U16{} + channelquant::kPosInf;
-  const U16 out = (xb & 0x7F800000u) != 0x7F800000u ? code : special;
-  return __builtin_convertvector(out, U8x16);
+  const UintV<N> code = __builtin_convertvector(__builtin_convertvector(w, IntV<N>), UintV<N>) & 0xFFu;
+  const UintV<N> xb = (UintV<N>)v;
+  const UintV<N> special = (xb & 0x7FFFFFu) != 0u ? UintV<N>{} + channelquant::kNaN
+                           : (xb >> 31) != 0u     ? UintV<N>{} + channelquant::kNegInf
+                                                  : UintV<N>{} + channelquant::kPosInf;
+  const UintV<N> out = (xb & 0x7F800000u) != 0x7F800000u ? code : special;
+  return __builtin_convertvector(out, ByteV<N>);
 }
 
 // c[k] <- the code of x[k] in one channel (scalar lo, step).
 TS_CPU_CLONES void run_codes(const float* __restrict__ x, const float* __restrict__ u, index_t count, float lo,
                              float step, std::uint8_t* __restrict__ c) {
-  index_t k = 0;
-  for (; k + 16 <= count; k += 16) {
-    F16 v, r;
-    std::memcpy(&v, x + k, sizeof(v));
-    std::memcpy(&r, u + k, sizeof(r));
-    const U8x16 b = select_codes(v, F16{} + lo, F16{} + step, r);
-    std::memcpy(c + k, &b, sizeof(b));
-  }
-  for (; k < count; ++k) c[k] = select_code(x[k], lo, step, u[k]);
+  const index_t done = at_lanes([&](auto n) {
+    constexpr int N = decltype(n)::value;
+    index_t k = 0;
+    for (; k + N <= count; k += N) {
+      FloatV<N> v, r;
+      std::memcpy(&v, x + k, sizeof(v));
+      std::memcpy(&r, u + k, sizeof(r));
+      const ByteV<N> b = select_codes<N>(v, FloatV<N>{} + lo, FloatV<N>{} + step, r);
+      std::memcpy(c + k, &b, sizeof(b));
+    }
+    return k;
+  });
+  for (index_t k = done; k < count; ++k) c[k] = select_code(x[k], lo, step, u[k]);
 }
 
 // c[k] <- the code of x[k] with per-element lo_e[k], step_e[k].
 TS_CPU_CLONES void expanded_codes(const float* __restrict__ x, const float* __restrict__ u,
                                   const float* __restrict__ lo_e, const float* __restrict__ step_e, index_t count,
                                   std::uint8_t* __restrict__ c) {
-  index_t k = 0;
-  for (; k + 16 <= count; k += 16) {
-    F16 v, r, lo, step;
-    std::memcpy(&v, x + k, sizeof(v));
-    std::memcpy(&r, u + k, sizeof(r));
-    std::memcpy(&lo, lo_e + k, sizeof(lo));
-    std::memcpy(&step, step_e + k, sizeof(step));
-    const U8x16 b = select_codes(v, lo, step, r);
-    std::memcpy(c + k, &b, sizeof(b));
-  }
-  for (; k < count; ++k) c[k] = select_code(x[k], lo_e[k], step_e[k], u[k]);
+  const index_t done = at_lanes([&](auto n) {
+    constexpr int N = decltype(n)::value;
+    index_t k = 0;
+    for (; k + N <= count; k += N) {
+      FloatV<N> v, r, lo, step;
+      std::memcpy(&v, x + k, sizeof(v));
+      std::memcpy(&r, u + k, sizeof(r));
+      std::memcpy(&lo, lo_e + k, sizeof(lo));
+      std::memcpy(&step, step_e + k, sizeof(step));
+      const ByteV<N> b = select_codes<N>(v, lo, step, r);
+      std::memcpy(c + k, &b, sizeof(b));
+    }
+    return k;
+  });
+  for (index_t k = done; k < count; ++k) c[k] = select_code(x[k], lo_e[k], step_e[k], u[k]);
 }
 
 // channelquant::value_of spelled out for the vectorizer: the affine value is computed for

@@ -11,6 +11,7 @@
 
 #include "clones.h"
 #include "float_spans.h"
+#include "simd.h"
 #include "torchstash/cpu_kernels.h"
 #include "torchstash/fp8.h"
 #include "torchstash/groupquant.h"
@@ -23,31 +24,32 @@ using groupquant::FloatKind;
 
 constexpr index_t kTaskElems = index_t{1} << 16;
 
-typedef float F16 __attribute__((vector_size(64)));
-typedef std::uint32_t U16 __attribute__((vector_size(64)));
-typedef std::int32_t I16 __attribute__((vector_size(64)));
-typedef std::uint8_t U8x16 __attribute__((vector_size(16)));
+// The leaf loops run at the CPU's lane count (simd.h); N never changes a result.
 
 // Largest finite |x[k]| (0 when none) and whether some x[k] is not finite, merged into
 // *amax and *special. Finite magnitudes order like their bits.
 TS_CPU_CLONES void span_amax(const float* x, index_t count, float* amax, bool* special) {
-  U16 big = {}, bad = {};
-  index_t k = 0;
-  for (; k + 16 <= count; k += 16) {
-    U16 b;
-    std::memcpy(&b, x + k, sizeof(b));
-    b &= 0x7FFFFFFFu;
-    const I16 fin = b < 0x7F800000u;
-    bad |= (U16)fin ^ 0xFFFFFFFFu;
-    b &= (U16)fin;
-    big = b > big ? b : big;
-  }
   std::uint32_t m = groupquant::float_bits(*amax), any_bad = 0;
-  for (int l = 0; l < 16; ++l) {
-    m = big[l] > m ? big[l] : m;
-    any_bad |= bad[l];
-  }
-  for (; k < count; ++k) {
+  const index_t done = at_lanes([&](auto n) {
+    constexpr int N = decltype(n)::value;
+    UintV<N> big = {}, bad = {};
+    index_t k = 0;
+    for (; k + N <= count; k += N) {
+      UintV<N> b;
+      std::memcpy(&b, x + k, sizeof(b));
+      b &= 0x7FFFFFFFu;
+      const IntV<N> fin = b < 0x7F800000u;
+      bad |= (UintV<N>)fin ^ 0xFFFFFFFFu;
+      b &= (UintV<N>)fin;
+      big = b > big ? b : big;
+    }
+    for (int l = 0; l < N; ++l) {
+      m = big[l] > m ? big[l] : m;
+      any_bad |= bad[l];
+    }
+    return k;
+  });
+  for (index_t k = done; k < count; ++k) {
     const std::uint32_t b = groupquant::float_bits(x[k]) & 0x7FFFFFFFu;
     if (b < 0x7F800000u) {
       m = b > m ? b : m;
@@ -59,60 +61,67 @@ TS_CPU_CLONES void span_amax(const float* x, index_t count, float* amax, bool* s
   *special = *special || any_bad != 0;
 }
 
-// e4m3 codes of finite x[k] / scale, 16 at a time: fp8::e4m3_from_float with its branches
+// e4m3 codes of finite x[k] / scale, N at a time: fp8::e4m3_from_float with its branches
 // as selects.
 TS_CPU_CLONES void finite_codes(const float* x, index_t count, float scale, std::uint8_t* c) {
-  const U16 max_bits = U16{} + (UINT32_C(1087) << 20);
-  const U16 denorm = U16{} + (UINT32_C(141) << 23);
-  const F16 denorm_f = F16{} + groupquant::bits_float(UINT32_C(141) << 23);
-  index_t k = 0;
-  for (; k + 16 <= count; k += 16) {
-    F16 v;
-    std::memcpy(&v, x + k, sizeof(v));
-    const F16 q = v / scale;
-    const U16 qb = (U16)q;
-    const U16 sign = qb & 0x80000000u;
-    const U16 a = qb ^ sign;
-    const F16 af = (F16)a + denorm_f;
-    const U16 small = (U16)af - denorm;
-    U16 normal = (a + ((static_cast<std::uint32_t>(7 - 127) << 23) + 0x7FFFFu) + ((a >> 20) & 1u)) >> 20;
-    normal = normal == 0x7Fu ? U16{} + 0x7Eu : normal;
-    const U16 big = a > 0x7F800000u ? U16{} + 0x7Fu : U16{} + 0x7Eu;
-    U16 r = a >= max_bits ? big : (a < (UINT32_C(121) << 23) ? small : normal);
-    r = (r & 0xFFu) | (sign >> 24);
-    const U8x16 b = __builtin_convertvector(r, U8x16);
-    std::memcpy(c + k, &b, sizeof(b));
-  }
-  for (; k < count; ++k) c[k] = fp8::e4m3_from_float(groupquant::div_rn(x[k], scale));
+  const index_t done = at_lanes([&](auto n) {
+    constexpr int N = decltype(n)::value;
+    using F = FloatV<N>;
+    using U = UintV<N>;
+    const U max_bits = U{} + (UINT32_C(1087) << 20);
+    const U denorm = U{} + (UINT32_C(141) << 23);
+    const F denorm_f = F{} + groupquant::bits_float(UINT32_C(141) << 23);
+    index_t k = 0;
+    for (; k + N <= count; k += N) {
+      F v;
+      std::memcpy(&v, x + k, sizeof(v));
+      const F q = v / scale;
+      const U qb = (U)q;
+      const U sign = qb & 0x80000000u;
+      const U a = qb ^ sign;
+      const F af = (F)a + denorm_f;
+      const U small = (U)af - denorm;
+      U normal = (a + ((static_cast<std::uint32_t>(7 - 127) << 23) + 0x7FFFFu) + ((a >> 20) & 1u)) >> 20;
+      normal = normal == 0x7Fu ? U{} + 0x7Eu : normal;
+      const U big = a > 0x7F800000u ? U{} + 0x7Fu : U{} + 0x7Eu;
+      U r = a >= max_bits ? big : (a < (UINT32_C(121) << 23) ? small : normal);
+      r = (r & 0xFFu) | (sign >> 24);
+      const ByteV<N> b = __builtin_convertvector(r, ByteV<N>);
+      std::memcpy(c + k, &b, sizeof(b));
+    }
+    return k;
+  });
+  for (index_t k = done; k < count; ++k) c[k] = fp8::e4m3_from_float(groupquant::div_rn(x[k], scale));
 }
 
 TS_CPU_CLONES void special_codes(const float* x, index_t count, float scale, std::uint8_t* c) {
   for (index_t k = 0; k < count; ++k) c[k] = fp8::code_of(x[k], scale);
 }
 
-// 16 bytes widened to 32-bit lanes (a vpmovzxbd where the clone has one).
-__attribute__((always_inline)) inline void widen(const std::uint8_t* c, U16* w) {
-  for (int l = 0; l < 16; ++l) (*w)[l] = c[l];
-}
-
-// v[k] <- the value of code c[k] times `magnitude` (a group that is not special), 16 at a
+// v[k] <- the value of code c[k] times `magnitude` (a group that is not special), N at a
 // time: fp8::e4m3_to_float as selects (a normal code's bits rebiased, a subnormal's mantissa
 // times 2^-9, exact; 0x7F / 0xFF the NaN c10 gives).
 TS_CPU_CLONES void finite_values(const std::uint8_t* c, index_t count, float magnitude, float* v) {
-  index_t k = 0;
-  for (; k + 16 <= count; k += 16) {
-    U16 w;
-    widen(c + k, &w);
-    const U16 e = (w >> 3) & 0xFu;
-    const U16 m = w & 7u;
-    const F16 sub_f = __builtin_convertvector((I16)m, F16) * 0.001953125f;
-    U16 bits = e == 0u ? (U16)sub_f : ((e + 120u) << 23) | (m << 20);
-    bits = (w & 0x7Fu) == 0x7Fu ? U16{} + 0x7FF00000u : bits;
-    bits |= (w & 0x80u) << 24;
-    const F16 val = (F16)bits * magnitude;
-    std::memcpy(v + k, &val, sizeof(val));
-  }
-  for (; k < count; ++k) v[k] = fp8::value_of(c[k], magnitude, false);
+  const index_t done = at_lanes([&](auto n) {
+    constexpr int N = decltype(n)::value;
+    using U = UintV<N>;
+    index_t k = 0;
+    for (; k + N <= count; k += N) {
+      ByteV<N> bytes;
+      std::memcpy(&bytes, c + k, sizeof(bytes));
+      const U w = __builtin_convertvector(bytes, U);  // a vpmovzxbd where the clone has one
+      const U e = (w >> 3) & 0xFu;
+      const U m = w & 7u;
+      const FloatV<N> sub_f = __builtin_convertvector((IntV<N>)m, FloatV<N>) * 0.001953125f;
+      U bits = e == 0u ? (U)sub_f : ((e + 120u) << 23) | (m << 20);
+      bits = (w & 0x7Fu) == 0x7Fu ? U{} + 0x7FF00000u : bits;
+      bits |= (w & 0x80u) << 24;
+      const FloatV<N> val = (FloatV<N>)bits * magnitude;
+      std::memcpy(v + k, &val, sizeof(val));
+    }
+    return k;
+  });
+  for (index_t k = done; k < count; ++k) v[k] = fp8::value_of(c[k], magnitude, false);
 }
 
 TS_CPU_CLONES void special_values(const std::uint8_t* c, index_t count, float magnitude, float* v) {

@@ -14,8 +14,8 @@
 // Only the hot leaf loops (groups_stats, groups_codes, pack_bytes*, affine_values,
 // float_spans.h's fill_uniforms) are compiled per instruction set (clones.h); they do not
 // depend on the bit width, so the width-templated glue is compiled once and the unit builds
-// in a few seconds. The stats and codes loops are written on 16-float GCC vectors, which
-// each clone lowers to its own registers (the scalar loops vectorized at 8 floats at best).
+// in a few seconds. The stats and codes loops are written on GCC vectors of the running CPU's
+// lane count (simd.h: 16 floats on AVX-512, 8 on AVX2, where 16 ran lane by lane).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -24,6 +24,7 @@
 #include "float_spans.h"
 #include "philox_lanes.h"
 #include "row_lanes.h"
+#include "simd.h"
 #include "torchstash/bitpack.h"
 #include "torchstash/cpu_kernels.h"
 #include "torchstash/groupquant.h"
@@ -40,12 +41,6 @@ using groupquant::Stats;
 constexpr index_t kTaskElems = index_t{1} << 16;  // elements per OpenMP task, about
 constexpr int kLanes = kPhiloxLanes;               // min/max lanes
 static_assert(kSpan % 8 == 0 && kTaskElems % 8 == 0, "spans and tasks must start on bytes");
-
-// 16 floats (or their bits) as one GCC vector: each clone lowers it to its widest registers.
-typedef float F16 __attribute__((vector_size(64)));
-typedef std::uint32_t U16 __attribute__((vector_size(64)));
-typedef std::int32_t I16 __attribute__((vector_size(64)));
-typedef std::uint8_t U8x16 __attribute__((vector_size(16)));
 
 // Min/max of x[0, count) in kLanes independent lanes, each update a compare-and-select
 // that excludes NaN and Inf (flagged instead): the careful loop, for groups holding them.
@@ -80,27 +75,29 @@ __attribute__((always_inline)) inline Stats lane_stats(const float* x, index_t c
 
 // Min/max of x[0, count). The fast loop takes min and max of everything (a NaN fails both
 // compares and is skipped, an infinity is taken) and the largest magnitude as bits, at least
-// 0x7F800000 exactly when something is not finite; only then does lane_stats run.
+// 0x7F800000 exactly when something is not finite; only then does lane_stats run. N lanes
+// (simd.h): the result is the same at any N.
+template <int N>
 __attribute__((always_inline)) inline Stats block_stats(const float* x, index_t count) {
-  F16 mn, mx;
-  U16 mag = {};
+  FloatV<N> mn, mx;
+  UintV<N> mag = {};
   const Stats empty = groupquant::empty_stats();
-  for (int l = 0; l < 16; ++l) {
+  for (int l = 0; l < N; ++l) {
     mn[l] = empty.mn;
     mx[l] = empty.mx;
   }
   index_t k = 0;
-  for (; k + 16 <= count; k += 16) {
-    F16 v;
+  for (; k + N <= count; k += N) {
+    FloatV<N> v;
     std::memcpy(&v, x + k, sizeof(v));
     mn = v < mn ? v : mn;
     mx = v > mx ? v : mx;
-    const U16 a = (U16)v & 0x7FFFFFFFu;
+    const UintV<N> a = (UintV<N>)v & 0x7FFFFFFFu;
     mag = a > mag ? a : mag;
   }
   Stats s = empty;
   std::uint32_t big = 0;
-  for (int l = 0; l < 16; ++l) {
+  for (int l = 0; l < N; ++l) {
     s.mn = mn[l] < s.mn ? mn[l] : s.mn;
     s.mx = mx[l] > s.mx ? mx[l] : s.mx;
     big = mag[l] > big ? mag[l] : big;
@@ -113,18 +110,19 @@ __attribute__((always_inline)) inline Stats block_stats(const float* x, index_t 
   return big >= 0x7F800000u ? lane_stats(x, count) : s;
 }
 
-// c[k] <- the code of finite x[k] in a normal group with step > 0 (finite_code, 16 at a time).
+// c[k] <- the code of finite x[k] in a normal group with step > 0 (finite_code, N at a time).
+template <int N>
 __attribute__((always_inline)) inline void ordinary_codes(const float* x, const float* u, index_t count, float lo,
                                                           float step, float top, std::uint8_t* c) {
   index_t k = 0;
-  for (; k + 16 <= count; k += 16) {
-    F16 v, r;
+  for (; k + N <= count; k += N) {
+    FloatV<N> v, r;
     std::memcpy(&v, x + k, sizeof(v));
     std::memcpy(&r, u + k, sizeof(r));
-    F16 w = (v - lo) / step + r;
+    FloatV<N> w = (v - lo) / step + r;
     w = w >= 0.0f ? w : 0.0f;  // a NaN fails the compare: 0
     w = w < top ? w : top;
-    const U8x16 b = __builtin_convertvector(__builtin_convertvector(w, I16), U8x16);
+    const ByteV<N> b = __builtin_convertvector(__builtin_convertvector(w, IntV<N>), ByteV<N>);
     std::memcpy(c + k, &b, sizeof(b));
   }
   for (; k < count; ++k) c[k] = groupquant::finite_code(x[k], lo, step, top, u[k]);
@@ -132,18 +130,22 @@ __attribute__((always_inline)) inline void ordinary_codes(const float* x, const 
 
 // Min/max of x[0, count) merged into s (a part of one large group).
 TS_CPU_CLONES Stats span_stats(const float* x, index_t count, Stats s) {
-  return groupquant::merge(s, block_stats(x, count));
+  return groupquant::merge(s, at_lanes([&](auto n) { return block_stats<decltype(n)::value>(x, count); }));
 }
 
 // stats[j] <- min/max of group j of a span of whole groups of G elements, x[0, count) (the
 // last group may be shorter): one call per span, not per group.
 TS_CPU_CLONES void groups_stats(const float* x, index_t count, index_t G, Stats* stats) {
-  for (index_t off = 0, j = 0; off < count; off += G, ++j) stats[j] = block_stats(x + off, std::min(G, count - off));
+  at_lanes([&](auto n) {
+    for (index_t off = 0, j = 0; off < count; off += G, ++j) {
+      stats[j] = block_stats<decltype(n)::value>(x + off, std::min(G, count - off));
+    }
+  });
 }
 
 TS_CPU_CLONES void finite_codes(const float* x, const float* u, index_t count, float lo, float step, float top,
                                 std::uint8_t* c) {
-  ordinary_codes(x, u, count, lo, step, top, c);
+  at_lanes([&](auto n) { ordinary_codes<decltype(n)::value>(x, u, count, lo, step, top, c); });
 }
 
 // Whether a group's codes come from ordinary_codes (finite, not tiny, step > 0).
@@ -153,10 +155,14 @@ bool is_ordinary(const Params& p) { return !p.special && p.shape == groupquant::
 // into c; the other groups' codes are left to the caller.
 TS_CPU_CLONES void groups_codes(const float* x, const float* u, index_t count, index_t G, const Params* params,
                                 std::uint8_t* c) {
-  for (index_t off = 0, j = 0; off < count; off += G, ++j) {
-    const Params& p = params[j];
-    if (is_ordinary(p)) ordinary_codes(x + off, u + off, std::min(G, count - off), p.lo, p.step, p.top, c + off);
-  }
+  at_lanes([&](auto n) {
+    for (index_t off = 0, j = 0; off < count; off += G, ++j) {
+      const Params& p = params[j];
+      if (is_ordinary(p)) {
+        ordinary_codes<decltype(n)::value>(x + off, u + off, std::min(G, count - off), p.lo, p.step, p.top, c + off);
+      }
+    }
+  });
 }
 
 // out[j] <- byte j of the packed codes (whole bytes only), one loop per width.

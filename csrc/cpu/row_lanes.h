@@ -18,36 +18,37 @@ namespace {
 using rowcenter::kSumLanes;
 static_assert(kSpan % kSumLanes == 0, "spans must keep elements in their lanes");
 
-typedef float RowF16 __attribute__((vector_size(64)));
 typedef double RowD8 __attribute__((vector_size(64)));
 typedef float RowF8 __attribute__((vector_size(32)));
-typedef std::int32_t RowI16 __attribute__((vector_size(64)));
+typedef std::int32_t RowI8 __attribute__((vector_size(32)));
 
 // lanes[l] += x[k] (times `scale` first, rounded to float32, when `scaled`) for
 // k = l, l + 16, ... in order, over x[0, count) (x[0] in lane 0); returns whether every
-// x[k] equals `first`.
+// x[k] equals `first`. The 16 floats of a step are taken as two 8-float halves: a 16-float
+// compare ran lane by lane on AVX2 (simd.h), an 8-float one is a register there.
 __attribute__((always_inline)) inline bool sum_lanes(const float* x, index_t count, bool scaled, float scale,
                                                      float first, double* lanes) {
   RowD8 lo, hi;
   std::memcpy(&lo, lanes, sizeof(lo));
   std::memcpy(&hi, lanes + 8, sizeof(hi));
-  RowI16 diff = {};
+  RowI8 diff = {};
   index_t k = 0;
   for (; k + kSumLanes <= count; k += kSumLanes) {
-    RowF16 v;
-    std::memcpy(&v, x + k, sizeof(v));
-    diff |= v != first;
-    if (scaled) v = v * scale;
     RowF8 a, b;
-    std::memcpy(&a, &v, sizeof(a));
-    std::memcpy(&b, reinterpret_cast<const float*>(&v) + 8, sizeof(b));
+    std::memcpy(&a, x + k, sizeof(a));
+    std::memcpy(&b, x + k + 8, sizeof(b));
+    diff |= (a != first) | (b != first);
+    if (scaled) {
+      a = a * scale;
+      b = b * scale;
+    }
     lo += __builtin_convertvector(a, RowD8);
     hi += __builtin_convertvector(b, RowD8);
   }
   std::memcpy(lanes, &lo, sizeof(lo));
   std::memcpy(lanes + 8, &hi, sizeof(hi));
   bool same = true;
-  for (int l = 0; l < 16; ++l) same = same && diff[l] == 0;
+  for (int l = 0; l < 8; ++l) same = same && diff[l] == 0;
   for (int l = 0; k + l < count; ++l) {
     const float v = x[k + l];
     same = same && v == first;

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "clones.h"
+#include "simd.h"
 #include "torchstash/bitpack.h"
 #include "torchstash/cpu_kernels.h"
 #include "torchstash/signs.h"
@@ -59,18 +60,27 @@ void pack_range(const void* x, SignKind kind, index_t n, index_t j_lo, index_t j
 }
 
 typedef std::uint32_t U16 __attribute__((vector_size(64)));
+typedef std::uint32_t U8 __attribute__((vector_size(32)));
 typedef std::uint16_t H32 __attribute__((vector_size(64)));
 typedef std::uint64_t Q8 __attribute__((vector_size(64)));
 
 // out[k] <- `one` where bit k of packed[0, bytes) is set, else 0: a byte (or two) broadcast to
 // every lane, and-ed with the lane's bit (vectorizes in every clone).
 TS_CPU_CLONES void spread32(const std::uint8_t* p, index_t bytes, std::uint32_t* out) {
-  const U16 bit = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
   index_t j = 0;
-  for (; j + 2 <= bytes; j += 2) {
-    const U16 w = U16{} + (static_cast<std::uint32_t>(p[j]) | (static_cast<std::uint32_t>(p[j + 1]) << 8));
-    const U16 v = (w & bit) != 0u ? U16{} + signs::kOne32 : U16{};
-    std::memcpy(out + 8 * j, &v, sizeof(v));
+  if (lanes() == 16) {
+    const U16 bit = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
+    for (; j + 2 <= bytes; j += 2) {
+      const U16 w = U16{} + (static_cast<std::uint32_t>(p[j]) | (static_cast<std::uint32_t>(p[j + 1]) << 8));
+      const U16 v = (w & bit) != 0u ? U16{} + signs::kOne32 : U16{};
+      std::memcpy(out + 8 * j, &v, sizeof(v));
+    }
+  } else {  // a byte a step: 8 lanes, one AVX2 register (simd.h)
+    const U8 bit = {1, 2, 4, 8, 16, 32, 64, 128};
+    for (; j < bytes; ++j) {
+      const U8 v = ((U8{} + p[j]) & bit) != 0u ? U8{} + signs::kOne32 : U8{};
+      std::memcpy(out + 8 * j, &v, sizeof(v));
+    }
   }
   for (; j < bytes; ++j) {
     for (int k = 0; k < 8; ++k) out[8 * j + k] = ((p[j] >> k) & 1u) != 0 ? signs::kOne32 : 0u;
@@ -122,14 +132,24 @@ void unpack_range(const std::uint8_t* packed, index_t n, SignKind kind, index_t 
 // out[k] <- g[k] where bit k of packed[0, bytes) is set, else 0 (all bits clear: +0.0), per
 // element width: the bit spread into a lane mask, as in spread*, and-ed with the gradient.
 TS_CPU_CLONES void select32(const std::uint8_t* p, index_t bytes, const std::uint32_t* g, std::uint32_t* out) {
-  const U16 bit = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
   index_t j = 0;
-  for (; j + 2 <= bytes; j += 2) {
-    const U16 w = U16{} + (static_cast<std::uint32_t>(p[j]) | (static_cast<std::uint32_t>(p[j + 1]) << 8));
-    U16 v;
-    std::memcpy(&v, g + 8 * j, sizeof(v));
-    v = (w & bit) != 0u ? v : U16{};
-    std::memcpy(out + 8 * j, &v, sizeof(v));
+  if (lanes() == 16) {
+    const U16 bit = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
+    for (; j + 2 <= bytes; j += 2) {
+      const U16 w = U16{} + (static_cast<std::uint32_t>(p[j]) | (static_cast<std::uint32_t>(p[j + 1]) << 8));
+      U16 v;
+      std::memcpy(&v, g + 8 * j, sizeof(v));
+      v = (w & bit) != 0u ? v : U16{};
+      std::memcpy(out + 8 * j, &v, sizeof(v));
+    }
+  } else {  // a byte a step: 8 lanes, one AVX2 register (simd.h)
+    const U8 bit = {1, 2, 4, 8, 16, 32, 64, 128};
+    for (; j < bytes; ++j) {
+      U8 v;
+      std::memcpy(&v, g + 8 * j, sizeof(v));
+      v = ((U8{} + p[j]) & bit) != 0u ? v : U8{};
+      std::memcpy(out + 8 * j, &v, sizeof(v));
+    }
   }
   for (; j < bytes; ++j) {
     for (int k = 0; k < 8; ++k) out[8 * j + k] = ((p[j] >> k) & 1u) != 0 ? g[8 * j + k] : 0u;

@@ -1,0 +1,64 @@
+// Vectors of N lanes (GCC vector extensions) and the lane count the running CPU takes in one
+// register. A 16-float vector is one register on AVX-512, but on AVX2 GCC lowers its
+// compare-and-select (`a < b ? a : b`) and its narrowing conversions lane by lane: the group
+// code's min/max and codes loops, written on 16-float vectors, ran as scalar code on an AVX2
+// CPU (4 ns an element, against 0.8 at 8 lanes). A TS_CPU_CLONES function therefore runs its
+// loop at lanes() lanes, compiled for each width in each clone; the width never changes a
+// result (lane-wise operations and exact min/max only), only how it is computed.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <type_traits>
+
+namespace torchstash {
+namespace cpu {
+
+template <class T, int N>
+struct VecOf {
+  typedef T type __attribute__((vector_size(sizeof(T) * N)));
+};
+template <int N>
+using FloatV = typename VecOf<float, N>::type;
+template <int N>
+using UintV = typename VecOf<std::uint32_t, N>::type;
+template <int N>
+using IntV = typename VecOf<std::int32_t, N>::type;
+template <int N>
+using ByteV = typename VecOf<std::uint8_t, N>::type;
+
+// 16 where the CPU has AVX-512 (the x86-64-v4 clone runs), 8 with AVX2, 4 below; 16 off x86
+// (GCC splits a vector into the target's registers, with no lane-wise fallback on NEON).
+// TORCHSTASH_CPU_LANES=4, 8 or 16 overrides it, read once: the tests run every width on one
+// machine (tests/test_kernel_lanes.py), since a result must not depend on it.
+inline int detect_lanes() {
+  if (const char* told = std::getenv("TORCHSTASH_CPU_LANES")) {
+    const int n = std::atoi(told);
+    if (n == 4 || n == 8 || n == 16) return n;
+  }
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return 16;
+  return __builtin_cpu_supports("avx2") ? 8 : 4;
+#else
+  return 16;
+#endif
+}
+
+inline int lanes() {
+  static const int found = detect_lanes();
+  return found;
+}
+
+// f(std::integral_constant<int, N>{}) at the running CPU's lane count N (see lanes()): a
+// generic lambda reads N as decltype(n)::value.
+template <class F>
+__attribute__((always_inline)) inline auto at_lanes(F&& f) {
+  switch (lanes()) {
+    case 16: return f(std::integral_constant<int, 16>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    default: return f(std::integral_constant<int, 4>{});
+  }
+}
+
+}  // namespace cpu
+}  // namespace torchstash
