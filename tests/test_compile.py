@@ -584,6 +584,27 @@ def test_compiled_with_a_budget_keeps_eager_s_accuracy(strategy: str, model_name
     assert ratio <= 1.1, ratio
 
 
+def test_a_strategy_that_stays_eager_says_why() -> None:
+    """``quant.int4`` without a budget runs eagerly under compile: the warning and the
+    ``fullgraph=True`` error quote its reason (set ``compile_budget``); with the budget it
+    runs in the graph."""
+    entry = MODELS["gpt"]
+    _, warned, handle = _train(entry, "quant.int4", _compiled("aot_eager"), steps=1)
+    assert handle.graph is None and len(warned) == 1
+    said = str(warned[0].message)
+    assert "quant.int4" in said and "compile_budget" in said and "runs eagerly" in said, said
+    handle.remove()
+    torch._dynamo.reset()
+    model = entry.build()
+    x, y = entry.batch(2, torch.device("cpu"))
+    with ts.apply(model, "quant.int4"):
+        with pytest.raises(Exception, match="compile_budget"):
+            run = torch.compile(model, backend="aot_eager", fullgraph=True)
+            entry.loss(run, x, y)  # type: ignore[arg-type]
+    with ts.apply(entry.build(), "quant.int4", compile_budget=0.5) as budgeted:
+        assert budgeted.graph is not None
+
+
 def test_an_empty_save_is_kept_with_min_bytes_zero() -> None:
     """``min_bytes=0`` lets every value through to the code; an empty one is kept (its seed
     would read values it does not have)."""
