@@ -122,7 +122,9 @@ def test_compiled_tally_agrees_with_the_heap(name: str) -> None:
     the tally says the graph holds is what the heap holds, within 2% on the GPTs. On the CNN
     the heap holds 5% more: the batch, a graph input the first conv saves, which AOTAutograd
     saves without the hooks (so the tally does not see it). Raw bytes are what the compiled
-    stock graph holds, within 6% (values saved as views of one buffer count each)."""
+    stock graph holds, within 6% (values saved as views of one buffer count each), on the
+    CNN; on the GPTs less: their GELU and LayerNorm outputs are recomputed from coded inputs
+    (:mod:`torchstash.graphkeep`), where compiled stock saves them."""
     if "quant.int8" not in ts.REGISTRY.names():
         pytest.skip("quant.int8 is not installed")
     cases = _cases(SCALE)
@@ -130,4 +132,7 @@ def test_compiled_tally_agrees_with_the_heap(name: str) -> None:
     got = heap.read(cases[name], "quant.int8", backend="aot_eager", seed=0)
     assert got.stored_bytes < got.held_bytes <= got.heap
     assert got.held_bytes == pytest.approx(got.heap, rel=0.06 if name == "cnn" else TOLERANCE)
-    assert got.raw_bytes == pytest.approx(stock.heap, rel=0.06)
+    if name == "cnn":
+        assert got.raw_bytes == pytest.approx(stock.heap, rel=0.06)
+    else:
+        assert 0.5 * stock.heap < got.raw_bytes < 0.9 * stock.heap, (got.raw_bytes, stock.heap)

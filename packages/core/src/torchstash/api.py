@@ -20,7 +20,7 @@ from . import tags
 if TYPE_CHECKING:
     from .budget import BudgetPlan
 from .compiling import EagerUnderCompile, GraphUnderCompile, compiling, warn_compiled
-from .compressor import graph_refusal
+from .compressor import derives, graph_refusal
 from .engine import DEFAULT_MIN_BYTES, Engine, ModuleInfo, Tally
 from .engine.replay import Replayer
 from .errors import ApplyError, NothingToRewriteWarning
@@ -339,6 +339,9 @@ def _install_hooks(
             engine.resolve, engine.min_bytes, _lookup(infos), handle.policy.name, engine.tally
         )
         graph.memory_budget = None if compile_budget is None else float(compile_budget)
+        graph.recomputes = all(
+            derives(b.compressor) for b in handle.plan.built.values() if b.compressor is not None
+        )
         handle.graph = graph
         handle.hooks.append(GraphUnderCompile(model, graph, engine))
     elif compresses:

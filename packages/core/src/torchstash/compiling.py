@@ -195,17 +195,16 @@ def _enter_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         return None
     hooks, engine = _GRAPHED[model]
     stack = contextlib.ExitStack()
+    import torch._functorch.config as functorch_config
+
+    from .graphkeep import with_keep_exact
+
+    told: dict[str, Any] = {
+        "joint_custom_pass": with_keep_exact(functorch_config.joint_custom_pass, hooks.recomputes)
+    }
     if hooks.memory_budget is not None:
-        import torch._functorch.config as functorch_config
-
-        from .graphkeep import with_keep_exact
-
-        stack.enter_context(
-            functorch_config.patch(
-                activation_memory_budget=hooks.memory_budget,
-                joint_custom_pass=with_keep_exact(functorch_config.joint_custom_pass),
-            )
-        )
+        told["activation_memory_budget"] = hooks.memory_budget
+    stack.enter_context(functorch_config.patch(**told))
     called = signature(args, kwargs, model.training)
     stack.enter_context(hooks.entered(called, lambda: arguments(model, args, kwargs)))
     stack.enter_context(engine.in_graph())

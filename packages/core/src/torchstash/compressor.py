@@ -55,7 +55,9 @@ class Compressor(Protocol):
     run inside a compiled graph (:mod:`.graphhooks`: torch ops, kernels with fake kernels,
     nothing read on the host) sets ``traceable = True``, or says why not per setting with
     ``graph_refusal(budgeted) -> str | None`` (``budgeted``: the model is applied with
-    ``compile_budget``, so the partitioner recomputes before the codes).
+    ``compile_budget``, so the partitioner recomputes before the codes). One whose
+    ``derivable`` lets outputs be recomputed sets ``derive = True``: a compiled graph then
+    recomputes them too (:func:`derives`, :mod:`.graphkeep`).
     """
 
     name: str
@@ -213,3 +215,12 @@ def graph_refusal(compressor: Compressor, budgeted: bool) -> str | None:
         return None
     name = getattr(compressor, "name", type(compressor).__name__)
     return why if why.startswith(f"{name}: ") else f"{name}: {why}"
+
+
+def derives(compressor: Compressor) -> bool:
+    """Whether ``compressor`` lets outputs be recomputed from its codes (``derivable`` and a
+    true ``derive``, see :class:`Compressor`): a compiled graph then recomputes a GELU's or a
+    LayerNorm's output from its coded input, as the eager engine does."""
+    return bool(getattr(compressor, "derive", False)) and callable(
+        getattr(compressor, "derivable", None)
+    )

@@ -313,6 +313,9 @@ class GraphHooks:
         #: the partitioner's activation memory budget while the graphs are compiled (None:
         #: the process's): ``apply(..., compile_budget=)``
         self.memory_budget: float | None = None
+        #: the compressors let outputs be recomputed from their codes (:func:`~.compressor.derives`):
+        #: the graph recomputes what the eager engine does (:mod:`torchstash.graphkeep`)
+        self.recomputes = False
 
     # -- around a compiled call ----------------------------------------------------------------
 

@@ -183,6 +183,11 @@ def saver(node: torch.fx.Node) -> tuple[torch.fx.Node | None, str]:
     return None, ""
 
 
+def op_of(node: torch.fx.Node) -> str:
+    """The canonical torch-level op a graph node came from (``layer_norm``, ``gelu``...)."""
+    return _op_of(node)[0]
+
+
 def _op_of(node: torch.fx.Node) -> tuple[str, str]:
     """(canonical op name, raw name) of a graph op, from the torch-level call it came from."""
     stack = node.meta.get("source_fn_stack") or []
