@@ -32,7 +32,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import graphcount, seeds
-from .compressor import Compressor, Encoder, encoder_of
+from .compressor import Compressor, Encoder, encoder_of, graph_refusal
 from .engine.scope import ModuleInfo
 from .engine.tally import Tally
 from .engine.totals import Totals
@@ -59,6 +59,27 @@ DYNAMIC_REASON = (
     "shapes cannot carry to its backward"
 )
 OP_SPECIFIC_REASON = "its code is one op's (a pool's positions), and a graph's value serves all"
+NOT_RECOMPUTED_REASON = (
+    "the graph saves an output eager recomputes from its coded input (a LayerNorm's, a "
+    "GELU's), which this code keeps near stock's only recomputed: kept exact"
+)
+
+
+def _meant_to_recompute(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is an output the eager engine recomputes from its coded input, saved by
+    the graph all the same (:func:`.graphkeep.eager_recomputes`): a code that keeps eager's
+    accuracy only with the recomputation (:func:`~.compressor.graph_refusal` without it) must
+    not code it."""
+    from .graphkeep import eager_recomputes
+
+    return eager_recomputes(node)
+
+
+def _needs_recompute(compressor: Compressor) -> bool:
+    """Whether ``compressor``'s value code keeps eager's accuracy in a graph only where the
+    graph recomputes (:func:`~.compressor.graph_refusal` of its value codec, told no)."""
+    return graph_refusal(getattr(compressor, "values", compressor), False) is not None
+
 
 _STATE = threading.local()
 
@@ -449,6 +470,8 @@ class GraphHooks:
         reasons = compressor.unsupported(x, site)
         if reasons:
             return None, "; ".join(reasons)
+        if _meant_to_recompute(node) and _needs_recompute(compressor):
+            return None, NOT_RECOMPUTED_REASON
         return compressor, ""
 
     def _count(

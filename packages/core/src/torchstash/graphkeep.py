@@ -94,11 +94,54 @@ RECOMPUTED_OPS = frozenset({"gelu", "silu", "hardswish", "layer_norm"})
 def recomputed(node: torch.fx.Node) -> bool:
     """Whether ``node`` (a forward node's, not :func:`kept_exactly`) is a pointwise step of an
     op whose output eager recomputes (:data:`RECOMPUTED_OPS`, from ``source_fn_stack``)."""
-    if node.op != "call_function" or torch.Tag.pointwise not in getattr(node.target, "tags", ()):
+    if node.op != "call_function":
+        return False
+    if torch.Tag.pointwise not in getattr(node.target, "tags", ()):
         return False
     from .graphsite import op_of
 
     return op_of(node) in RECOMPUTED_OPS
+
+
+_LAYER_NORMS = frozenset({aten.native_layer_norm.default})
+#: ops that only view their first argument: a saved view is its base's value
+VIEW_OPS = frozenset(
+    {
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.reshape.default,
+        aten.t.default,
+        aten.transpose.int,
+        aten.permute.default,
+        aten.expand.default,
+        aten.alias.default,
+        aten.detach.default,
+    }
+)
+
+
+def eager_recomputes(node: torch.fx.Node) -> bool:
+    """Whether a saved ``node`` (past views) is an output the eager engine recomputes: one
+    marked :func:`recomputed` that the partitioner saved all the same, or a LayerNorm's output
+    where the graph holds it undecomposed (``aot_eager``: one node, which no partitioner
+    recomputes without its statistics' node)."""
+    base = view_base(node)
+    if base.meta.get("recompute") is CheckpointPolicy.MUST_RECOMPUTE:
+        return True
+    if base.op == "call_function" and base.target is operator.getitem and len(base.args) == 2:
+        source, index = base.args
+        return isinstance(source, torch.fx.Node) and source.target in _LAYER_NORMS and index == 0
+    return False
+
+
+def view_base(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose value ``node`` views (itself where it is no view)."""
+    while node.op == "call_function" and node.target in VIEW_OPS and node.args:
+        base = node.args[0]
+        if not isinstance(base, torch.fx.Node):
+            break
+        node = base
+    return node
 
 
 def keep_exact(graph: torch.fx.Graph, recompute: bool = True) -> None:
@@ -140,10 +183,13 @@ def with_keep_exact(joint_pass: JointPass | None, recompute: bool = True) -> Kee
 
 __all__ = [
     "RECOMPUTED_OPS",
+    "eager_recomputes",
+    "VIEW_OPS",
     "KeepExact",
     "forward_nodes",
     "keep_exact",
     "kept_exactly",
     "recomputed",
+    "view_base",
     "with_keep_exact",
 ]

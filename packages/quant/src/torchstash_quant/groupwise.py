@@ -125,33 +125,33 @@ class GroupQuantizer(BaseCompressor):
         packed.meta.update(bits=bits, group_size=group_size, order=None)
         return packed
 
-    def graph_refusal(self, budgeted: bool) -> str | None:
+    def graph_refusal(self, recomputes: bool) -> str | None:
         """Why a compiled graph does not run its codes (None where it does, see
-        :mod:`torchstash.graphhooks`). At 8 bits it always does. At 4 bits the codes trace,
-        but the gradients stay near stock's only where the partitioner recomputes what the
-        eager engine recomputes (LayerNorm outputs from their coded inputs, attention maps
-        from coded ``q`` and ``k``): without ``compile_budget`` the zoo's GPT under int4 came
-        to cosine 0.990 compiled against 0.9998 eager; with ``compile_budget=0.5`` 0.99999.
-        At 2 bits even the budget leaves the ViT and the ResNet short of eager (0.981 against
-        0.991, 0.708 against 0.823: ``docs/compile.md``). At 1 bit the code reads on the host
-        whether a group holds NaN or Inf (see :meth:`encode`)."""
-        if self.bits == 8 or (self.bits == 4 and budgeted):
+        :mod:`torchstash.graphhooks`); ``recomputes``: the graph recomputes what the eager
+        engine recomputes (the strategy derives outputs, or has a ``compile_budget``). At 8
+        bits it always runs them. At 4 bits the gradients stay near stock's only where
+        LayerNorm and GELU outputs come back from their coded inputs, as eagerly: coded at 4
+        bits themselves, the zoo's GPT came to cosine 0.990 compiled against 0.9998 eager;
+        recomputed (inductor, tiny zoo) GPT 0.99970 (eager 0.99976), ViT 0.99949 (0.99925),
+        ResNet 0.99385 (0.98911). At 2 bits the GPT and the ViT stay short of eager even so
+        (0.992 against 0.998, 0.981 against 0.991: ``docs/compile.md``). At 1 bit the code
+        reads on the host whether a group holds NaN or Inf (see :meth:`encode`)."""
+        if self.bits == 8 or (self.bits == 4 and recomputes):
             return None
         if self.bits == 4:
             return (
-                "at 4 bits a compiled graph keeps eager's accuracy only with a recompute "
-                "budget: apply(model, ..., compile_budget=0.5) runs it in the graph"
+                "at 4 bits a compiled graph keeps eager's accuracy only where it recomputes "
+                "LayerNorm and GELU outputs from their coded inputs: leave derive on (the "
+                "default), or apply(model, ..., compile_budget=0.5)"
             )
         if self.bits == 2:
             return (
                 "at 2 bits a compiled graph leaves the gradients further from stock's than "
-                "eager does, even with a recompute budget (docs/compile.md); quant.int8, or "
-                "quant.int4 with compile_budget=, run in the graph"
+                "eager does (docs/compile.md); quant.int8 and quant.int4 run in the graph"
             )
         return (
             "at 1 bit the code reads on the host whether a group holds NaN or Inf, which a "
-            "compiled graph cannot; quant.int8, or quant.int4 with compile_budget=, run in "
-            "the graph"
+            "compiled graph cannot; quant.int8 and quant.int4 run in the graph"
         )
 
     @property

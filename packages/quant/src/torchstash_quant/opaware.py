@@ -425,8 +425,9 @@ class OpAware(BaseCompressor):
 
     def graph_refusal(self, budgeted: bool) -> str | None:
         """Why a compiled graph does not run its codes (:mod:`torchstash.graphhooks`): its
-        value codec's reason, the graph codes values only (see :meth:`value_encoder`)."""
-        return graph_refusal(self.values, budgeted)
+        value codec's reason, the graph codes values only (see :meth:`value_encoder`). The
+        graph recomputes what eager does under a budget, or where this code derives."""
+        return graph_refusal(self.values, budgeted or self.derive)
 
     @property
     def traceable(self) -> bool:
