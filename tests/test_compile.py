@@ -1,6 +1,6 @@
 """torch.compile with every installed strategy: inside the compiled graph where its codes
-trace (``quant.int8`` and its presets; ``quant.int4`` and ``quant.L2`` with ``compile_budget``:
-:mod:`torchstash.graphhooks`), else one clear warning quoting why, and an eager fallback.
+trace (``quant.int8``, ``quant.int4`` and their presets: :mod:`torchstash.graphhooks`), else
+one clear warning quoting why, and an eager fallback.
 
 In the graph a strategy codes what the compiled graph saves, with gradients as close to stock's
 as eager's; a strategy whose codes do not trace (fp8, mesa, ``quant.auto``, ``quant.int1``,

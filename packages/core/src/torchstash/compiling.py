@@ -1,7 +1,7 @@
 """What ``torch.compile`` sees of a model torchstash was applied to.
 
 Where every compressor of the strategy has a traced form (:func:`~.compressor.graph_refusal`:
-``quant.int8`` and its presets; ``quant.int4`` with ``compile_budget``), the model's compiled
+``quant.int8``, ``quant.int4`` and their presets), the model's compiled
 call runs with the strategy's GraphModule saved-tensor hooks on (:class:`GraphUnderCompile`,
 :mod:`.graphhooks`): the codes run inside the compiled forward and backward. Any other
 compressing strategy runs *eagerly* under ``torch.compile``, with the memory savings intact and
