@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .opnames import graph_op_names
+
 aten = torch.ops.aten
 
 #: normalizations whose outputs 1 and 2 are the statistics their backward reads
@@ -98,9 +100,7 @@ def recomputed(node: torch.fx.Node) -> bool:
         return False
     if torch.Tag.pointwise not in getattr(node.target, "tags", ()):
         return False
-    from .graphsite import op_of
-
-    return op_of(node) in RECOMPUTED_OPS
+    return graph_op_names(node)[0] in RECOMPUTED_OPS
 
 
 _LAYER_NORMS = frozenset({aten.native_layer_norm.default})

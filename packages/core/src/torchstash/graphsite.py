@@ -21,7 +21,7 @@ import torch
 import torch.fx
 
 from .engine.scope import NO_MODULE, ModuleInfo
-from .opnames import op_names
+from .opnames import graph_op_names
 from .site import Site
 
 aten = torch.ops.aten
@@ -95,7 +95,6 @@ _NO_SAVE = frozenset(
 #: ``addmm(bias, input, weight.t())``)
 _ROLES: dict[Any, dict[int, str]] = {aten.addmm: {0: "arg2", 1: "input", 2: "arg1"}}
 
-_NUMBERED = re.compile(r"_\d+$")
 _INDEX = re.compile(r"\[(?:'([^']*)'|(\d+))\]")
 
 
@@ -185,31 +184,10 @@ def saver(node: torch.fx.Node) -> tuple[torch.fx.Node | None, str]:
 
 def op_of(node: torch.fx.Node) -> str:
     """The canonical torch-level op a graph node came from (``layer_norm``, ``gelu``...)."""
-    return _op_of(node)[0]
+    return graph_op_names(node)[0]
 
 
-def _op_of(node: torch.fx.Node) -> tuple[str, str]:
-    """(canonical op name, raw name) of a graph op, from the torch-level call it came from."""
-    stack = node.meta.get("source_fn_stack") or []
-    if stack:
-        name, fn = stack[-1]
-        if callable(fn) and not isinstance(fn, type):
-            try:
-                return op_names(fn)
-            except Exception:
-                pass
-        raw = _NUMBERED.sub("", str(name))
-        return op_names_of_name(raw)
-    packet = _packet(node)
-    raw = getattr(packet, "__name__", str(packet)).lstrip("_")
-    return op_names_of_name(raw)
-
-
-def op_names_of_name(raw: str) -> tuple[str, str]:
-    """(canonical, raw) for an op known only by name (``linear_2`` less its number)."""
-    from .opnames import _CANONICAL
-
-    return _CANONICAL.get(raw, raw), raw
+_op_of = graph_op_names
 
 
 def module_path(key: str) -> str:

@@ -5,6 +5,7 @@ nothing of the engine."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -88,3 +89,28 @@ def is_known_op(name: str) -> bool:
         hasattr(ns, name) or hasattr(ns, f"__{name}__")
         for ns in (torch, torch.Tensor, torch.nn.functional)
     )
+
+
+_NUMBERED = re.compile(r"_\d+$")
+
+
+def op_names_of_name(raw: str) -> tuple[str, str]:
+    """(canonical, raw) for an op known only by name (``linear_2`` less its number)."""
+    return _CANONICAL.get(raw, raw), raw
+
+
+def graph_op_names(node: Any) -> tuple[str, str]:
+    """(canonical op name, raw name) of a traced graph's op (a ``torch.fx.Node``), from the
+    torch-level call it came from (``source_fn_stack``), else its aten op's name."""
+    stack = node.meta.get("source_fn_stack") or []
+    if stack:
+        name, fn = stack[-1]
+        if callable(fn) and not isinstance(fn, type):
+            try:
+                return op_names(fn)
+            except Exception:
+                pass
+        return op_names_of_name(_NUMBERED.sub("", str(name)))
+    target = node.target
+    packet = getattr(target, "overloadpacket", target)
+    return op_names_of_name(getattr(packet, "__name__", str(packet)).lstrip("_"))
