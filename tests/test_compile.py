@@ -49,32 +49,32 @@ def _train(
     torch.manual_seed(0)
     model = entry.build()
     handle = ts.apply(model, strategy, **_options(strategy))
-    run = wrap(model)
-    out = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CompileFallbackWarning)
-        for i in range(steps):
-            torch.manual_seed(100 + i)
-            x, y = entry.batch(4, torch.device("cpu"))
-            model.zero_grad()
-            entry.loss(run, x, y).backward()  # type: ignore[arg-type]
-            out.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        out = _steps(entry, model, wrap(model), steps)
     fallbacks = [w for w in caught if issubclass(w.category, CompileFallbackWarning)]
     return out, fallbacks, handle
+
+
+def _steps(
+    entry: ZooEntry, model: torch.nn.Module, run: Callable[..., Any], steps: int
+) -> list[list[torch.Tensor]]:
+    """Each step's gradients, on batches seeded by the step."""
+    out = []
+    for i in range(steps):
+        torch.manual_seed(100 + i)
+        x, y = entry.batch(4, torch.device("cpu"))
+        model.zero_grad()
+        entry.loss(run, x, y).backward()  # type: ignore[arg-type]
+        out.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    return out
 
 
 def _stock(entry: ZooEntry, steps: int = 2) -> list[list[torch.Tensor]]:
     """Stock's gradients at :func:`_train`'s steps."""
     torch.manual_seed(0)
     model = entry.build()
-    out = []
-    for i in range(steps):
-        torch.manual_seed(100 + i)
-        x, y = entry.batch(4, torch.device("cpu"))
-        model.zero_grad()
-        entry.loss(model, x, y).backward()  # type: ignore[arg-type]
-        out.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
-    return out
+    return _steps(entry, model, model, steps)
 
 
 def cosine(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
