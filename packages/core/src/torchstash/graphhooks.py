@@ -37,6 +37,7 @@ from .engine.scope import ModuleInfo
 from .engine.tally import Tally
 from .engine.totals import Totals
 from .errors import CompileFallbackWarning
+from .graphkeep import eager_recomputes
 from .graphsite import relu_output, site_of
 from .kernels import kernels_in_graph
 from .layout import dense_order, dense_strides, strides_in_order, with_layout
@@ -65,19 +66,11 @@ NOT_RECOMPUTED_REASON = (
 )
 
 
-def _meant_to_recompute(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is an output the eager engine recomputes from its coded input, saved by
-    the graph all the same (:func:`.graphkeep.eager_recomputes`): a code that keeps eager's
-    accuracy only with the recomputation (:func:`~.compressor.graph_refusal` without it) must
-    not code it."""
-    from .graphkeep import eager_recomputes
-
-    return eager_recomputes(node)
-
-
 def _needs_recompute(compressor: Compressor) -> bool:
-    """Whether ``compressor``'s value code keeps eager's accuracy in a graph only where the
-    graph recomputes (:func:`~.compressor.graph_refusal` of its value codec, told no)."""
+    """Whether an output eager recomputes that the graph saves all the same
+    (:func:`.graphkeep.eager_recomputes`) must be kept exact for ``compressor``: its value
+    code keeps eager's accuracy only where the graph recomputes (``graph_refusal`` of its
+    value codec, told no)."""
     return graph_refusal(getattr(compressor, "values", compressor), False) is not None
 
 
@@ -470,7 +463,7 @@ class GraphHooks:
         reasons = compressor.unsupported(x, site)
         if reasons:
             return None, "; ".join(reasons)
-        if _meant_to_recompute(node) and _needs_recompute(compressor):
+        if eager_recomputes(node) and _needs_recompute(compressor):
             return None, NOT_RECOMPUTED_REASON
         return compressor, ""
 

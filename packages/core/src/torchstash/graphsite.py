@@ -182,14 +182,6 @@ def saver(node: torch.fx.Node) -> tuple[torch.fx.Node | None, str]:
     return None, ""
 
 
-def op_of(node: torch.fx.Node) -> str:
-    """The canonical torch-level op a graph node came from (``layer_norm``, ``gelu``...)."""
-    return graph_op_names(node)[0]
-
-
-_op_of = graph_op_names
-
-
 def module_path(key: str) -> str:
     """A module's qualified name from dynamo's path of it (``L['self'].blocks[0].fc``)."""
     path = re.sub(r"^L\['[^']*'\]", "", key)
@@ -217,7 +209,7 @@ def site_of(node: torch.fx.Node, modules: Lookup) -> Site:
         else:  # a module the model does not hold (made in its forward): its type alone
             name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]
             info = ModuleInfo(module_path(str(key)), "", name, -1, frozenset({name}))
-    op, func = _op_of(op_node) if op_node is not None else ("", "")
+    op, func = graph_op_names(op_node) if op_node is not None else ("", "")
     return info.site(
         op=op, func=func, role=role if op else "", training=bool(getattr(module, "training", True))
     )

@@ -154,11 +154,6 @@ class GroupQuantizer(BaseCompressor):
             "compiled graph cannot; quant.int8 and quant.int4 run in the graph"
         )
 
-    @property
-    def traceable(self) -> bool:
-        """Whether a compiled graph runs its codes with no recompute budget."""
-        return self.graph_refusal(False) is None
-
     def decompress(self, packed: Packed) -> torch.Tensor:
         return decode_group(packed)
 

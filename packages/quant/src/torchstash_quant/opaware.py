@@ -429,11 +429,6 @@ class OpAware(BaseCompressor):
         graph recomputes what eager does under a budget, or where this code derives."""
         return graph_refusal(self.values, budgeted or self.derive)
 
-    @property
-    def traceable(self) -> bool:
-        """Whether a compiled graph runs its codes with no recompute budget."""
-        return self.graph_refusal(False) is None
-
     def value_encoder(self, x: torch.Tensor, site: Site) -> Encoder | None:
         """The encoder of a code whose restore is the value itself, which any op may read: a
         compiled graph saves a value once for every op of the backward that reads it (a
