@@ -20,11 +20,12 @@ from . import tags
 if TYPE_CHECKING:
     from .budget import BudgetPlan
 from .compiling import EagerUnderCompile, GraphUnderCompile, compiling, warn_compiled
-from .compressor import derives, graph_refusal
+from .compressor import graph_refusal, recomputed_ops
 from .engine import DEFAULT_MIN_BYTES, Engine, ModuleInfo, Tally
 from .engine.replay import Replayer
 from .errors import ApplyError, NothingToRewriteWarning
 from .graphhooks import GraphHooks
+from .graphkeep import RECOMPUTED_OPS
 from .packed import storage_base
 from .plan import Plan, Swapped
 from .policy import Policy, Rule, as_policy
@@ -339,8 +340,13 @@ def _install_hooks(
             engine.resolve, engine.min_bytes, _lookup(infos), handle.policy.name, engine.tally
         )
         graph.memory_budget = None if compile_budget is None else float(compile_budget)
-        graph.recomputes = all(
-            derives(b.compressor) for b in handle.plan.built.values() if b.compressor is not None
+        graph.recomputes = frozenset.intersection(
+            RECOMPUTED_OPS,
+            *(
+                recomputed_ops(b.compressor, RECOMPUTED_OPS)
+                for b in handle.plan.built.values()
+                if b.compressor is not None
+            ),
         )
         handle.graph = graph
         handle.hooks.append(GraphUnderCompile(model, graph, engine))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -224,3 +224,14 @@ def derives(compressor: Compressor) -> bool:
     return bool(getattr(compressor, "derive", False)) and callable(
         getattr(compressor, "derivable", None)
     )
+
+
+def recomputed_ops(compressor: Compressor, ops: Iterable[str]) -> frozenset[str]:
+    """Those of ``ops`` whose outputs a compiled graph recomputes from ``compressor``'s codes,
+    as the eager engine does: all where it :func:`derives`, less those its optional
+    ``derives_op(op) -> bool`` declines (a BatchNorm's input coded too coarsely to stand in
+    for the output); none where it does not derive."""
+    if not derives(compressor):
+        return frozenset()
+    told = getattr(compressor, "derives_op", None)
+    return frozenset(op for op in ops if told is None or told(op))

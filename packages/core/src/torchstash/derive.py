@@ -11,10 +11,10 @@ comes back closer to exact than its own code of the same total size would give.
 
 Attention's output is recomputed the same way: ``attn @ v`` from the two operands the matmul
 saved, carried through the ``transpose``/``reshape`` copy that feeds the output projection
-(:data:`LAYOUT_OPS`: a recipe for an op's input is one for its output, one step longer); so
+(:data:`~torchstash.opnames.LAYOUT_OPS`: a recipe for an op's input is one for its output, one step longer); so
 is a training BatchNorm's output, carried through the (in-place) ReLU after it, and the
 attention map itself: ``q @ k.T`` carried through the scale, the mask, the softmax and the
-casts (:data:`POINTWISE_OPS`, replayed by :class:`Replay` with the call's other arguments
+casts (:data:`~torchstash.opnames.POINTWISE_OPS`, replayed by :class:`Replay` with the call's other arguments
 held as they were). A fused ``scaled_dot_product_attention``'s output and log-sum-exp are
 replayed from its saved ``q``, ``k``, ``v`` by the same kernel (:class:`FusedAttention`,
 :data:`FUSED_ATTENTION`). Under autocast the engine also matches a projection's bf16 copy of
@@ -47,65 +47,6 @@ DERIVE_OPS = frozenset({"gelu", "silu", "hardswish", "layer_norm", "batch_norm",
 #: Functions whose result is the plain product of the two operands they save (no scaling,
 #: no bias, no sum over a third operand): a matmul recipe is offered for these only.
 MATMUL_FUNCS = frozenset({"matmul", "__matmul__", "bmm", "mm"})
-#: Functions that only view or copy their first argument's values in another layout: replayed
-#: with the same arguments, they carry a recipe from their input to their output.
-LAYOUT_OPS = frozenset(
-    {
-        "transpose",
-        "swapaxes",
-        "swapdims",
-        "permute",
-        "movedim",
-        "reshape",
-        "view",
-        "flatten",
-        "unflatten",
-        "squeeze",
-        "unsqueeze",
-        "contiguous",
-        "clone",
-    }
-)
-#: Elementwise functions replayed on a recomputed argument, the others held as they were
-#: (numbers, masks, scales: see :func:`replay_step`): a BatchNorm's output through the
-#: (in-place) ReLU after it; ``q @ k.T`` through the scale, the mask and the softmax to the
-#: attention map, and through the casts around them.
-POINTWISE_OPS = frozenset(
-    {
-        "relu",
-        "relu_",
-        "mul",
-        "mul_",
-        "__mul__",
-        "__rmul__",
-        "__imul__",
-        "div",
-        "div_",
-        "true_divide",
-        "__truediv__",
-        "__itruediv__",
-        "add",
-        "add_",
-        "__add__",
-        "__radd__",
-        "__iadd__",
-        "sub",
-        "sub_",
-        "__sub__",
-        "__isub__",
-        "masked_fill",
-        "masked_fill_",
-        "where",
-        "softmax",
-        "to",
-        "type",
-        "float",
-        "half",
-        "bfloat16",
-    }
-)
-#: Every function a recipe is carried through (see :meth:`~torchstash.engine.Engine.pack`).
-CARRY_OPS = LAYOUT_OPS | POINTWISE_OPS
 
 
 def _argument(args: Sequence[Any], kwargs: dict[str, Any], name: str, pos: int) -> Any:

@@ -37,7 +37,7 @@ from .engine.scope import ModuleInfo
 from .engine.tally import Tally
 from .engine.totals import Totals
 from .errors import CompileFallbackWarning
-from .graphkeep import eager_recomputes
+from .graphkeep import eager_recomputes, statistic, view_base
 from .graphsite import relu_output, site_of
 from .kernels import kernels_in_graph
 from .layout import dense_order, dense_strides, strides_in_order, with_layout
@@ -60,6 +60,10 @@ DYNAMIC_REASON = (
     "shapes cannot carry to its backward"
 )
 OP_SPECIFIC_REASON = "its code is one op's (a pool's positions), and a graph's value serves all"
+STATISTIC_REASON = (
+    "a reduction's result (a softmax's maximum or sum, a normalization's statistics) is "
+    "small and kept exact, as the eager engine keeps it"
+)
 NOT_RECOMPUTED_REASON = (
     "the graph saves an output eager recomputes from its coded input (a LayerNorm's, a "
     "GELU's), which this code keeps near stock's only recomputed: kept exact"
@@ -327,9 +331,10 @@ class GraphHooks:
         #: the partitioner's activation memory budget while the graphs are compiled (None:
         #: the process's): ``apply(..., compile_budget=)``
         self.memory_budget: float | None = None
-        #: the compressors let outputs be recomputed from their codes (:func:`~.compressor.derives`):
-        #: the graph recomputes what the eager engine does (:mod:`torchstash.graphkeep`)
-        self.recomputes = False
+        #: the ops whose outputs every compressor lets be recomputed from its codes
+        #: (:func:`~.compressor.recomputed_ops`): the graph recomputes them as the eager engine
+        #: does (:mod:`torchstash.graphkeep`)
+        self.recomputes: frozenset[str] = frozenset()
 
     # -- around a compiled call ----------------------------------------------------------------
 
@@ -448,6 +453,8 @@ class GraphHooks:
             return None, EMPTY_REASON
         if not site.op:
             return None, NO_OP_REASON
+        if statistic(view_base(node)):
+            return None, STATISTIC_REASON
         attention = site.op == "scaled_dot_product_attention"
         if attention and not _attention_operand(node, site, x):
             return None, ATTENTION_REASON
@@ -546,11 +553,13 @@ def value_encoder_of(compressor: Compressor, x: torch.Tensor, site: Site) -> Enc
 
 
 def compressor_stream(compressor: Compressor) -> int:
-    """The next seed of the compressor's own stream (0 for one without): mixed into a traced
-    seed so two sites' codes of equal values draw differently."""
-    stream = getattr(compressor, "seeds", None)
-    if isinstance(stream, seeds.SeedStream):
-        return stream.next()
+    """The next seed of the compressor's own stream, or of its value codec's (0 for one
+    without): mixed into a traced seed so two sites' codes of equal values draw differently,
+    and two runs of other ``seed=`` options differently."""
+    for part in (compressor, getattr(compressor, "values", None)):  # an op-aware code's values
+        stream = getattr(part, "seeds", None)
+        if isinstance(stream, seeds.SeedStream):
+            return stream.next()
     return 0
 
 

@@ -26,13 +26,13 @@ The pass runs as AOTAutograd's ``joint_custom_pass``, before any backend's parti
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .opnames import graph_op_names
+from .opnames import CARRY_OPS, graph_op_names
 
 aten = torch.ops.aten
 
@@ -59,7 +59,15 @@ def kept_exactly(node: torch.fx.Node) -> bool:
     exactly)."""
     if node.op != "call_function":
         return False
-    if node.target in _MASKS or _reduces(node):
+    return node.target in _MASKS or statistic(node)
+
+
+def statistic(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a reduction's result or a normalization's statistic (a softmax's
+    maximum and sum, a LayerNorm's mean and reciprocal deviation): small, kept exact."""
+    if node.op != "call_function":
+        return False
+    if _reduces(node):
         return True
     if node.target is operator.getitem and len(node.args) == 2:
         source, index = node.args
@@ -88,19 +96,21 @@ def forward_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     return found
 
 
-#: torch-level ops whose output the eager engine recomputes from its coded input
-#: (:data:`torchstash.derive.DERIVE_OPS`, less what recomputes a matmul or reads a mask)
-RECOMPUTED_OPS = frozenset({"gelu", "silu", "hardswish", "layer_norm"})
+#: torch-level ops whose output the eager engine may recompute from its coded input
+#: (:data:`torchstash.derive.DERIVE_OPS`): pointwise ones (:func:`recomputed`), and
+#: ``matmul``, attention's products (:func:`recomputed_attention`); a strategy's compressors
+#: say which they recompute (:func:`torchstash.compressor.recomputed_ops`)
+RECOMPUTED_OPS = frozenset({"gelu", "silu", "hardswish", "layer_norm", "batch_norm", "matmul"})
 
 
-def recomputed(node: torch.fx.Node) -> bool:
+def recomputed(node: torch.fx.Node, ops: Collection[str] = RECOMPUTED_OPS) -> bool:
     """Whether ``node`` (a forward node's, not :func:`kept_exactly`) is a pointwise step of an
-    op whose output eager recomputes (:data:`RECOMPUTED_OPS`, from ``source_fn_stack``)."""
+    op of ``ops`` (from ``source_fn_stack``), whose output eager recomputes."""
     if node.op != "call_function":
         return False
     if torch.Tag.pointwise not in getattr(node.target, "tags", ()):
         return False
-    return graph_op_names(node)[0] in RECOMPUTED_OPS
+    return graph_op_names(node)[0] in ops
 
 
 _LAYER_NORMS = frozenset({aten.native_layer_norm.default})
@@ -144,13 +154,166 @@ def view_base(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
-def keep_exact(graph: torch.fx.Graph, recompute: bool = True) -> None:
+#: matrix products as the graph holds them (``torch.matmul`` of 3-d or 4-d operands: ``bmm``)
+_PRODUCTS = frozenset({aten.bmm.default, aten.mm.default})
+#: what stands between a value and a product's operand made of it (a broadcast, a copy)
+_OPERAND_STEPS = VIEW_OPS | {aten.clone.default, aten.contiguous.default}
+
+
+def _operand_root(node: torch.fx.Node) -> torch.fx.Node:
+    while node.op == "call_function" and node.target in _OPERAND_STEPS and node.args:
+        base = node.args[0]
+        if not isinstance(base, torch.fx.Node):
+            break
+        node = base
+    return node
+
+
+def activation_product(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a ``matmul`` of two values computed in the forward (attention's
+    ``q @ k.T`` and ``attn @ v``), not a layer's product with its weight (a graph input):
+    the eager engine recomputes such a product's output from its two coded operands."""
+    if node.op != "call_function" or node.target not in _PRODUCTS:
+        return False
+    if graph_op_names(node)[0] != "matmul":
+        return False
+    operands = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]
+    return len(operands) == 2 and all(_operand_root(a).op != "placeholder" for a in operands)
+
+
+def _carried(node: torch.fx.Node) -> bool:
+    """Whether a forward node carries a recomputed product to what reads it, as the eager
+    engine's recipes are carried (:data:`torchstash.opnames.CARRY_OPS`): a view, a copy, or a
+    pointwise step (the scale, the mask, the softmax's, a cast) that draws no random numbers."""
+    if node.op != "call_function":
+        return False
+    if node.target in _OPERAND_STEPS:
+        return True
+    tags = getattr(node.target, "tags", ())
+    if torch.Tag.nondeterministic_seeded in tags:
+        return False
+    canonical, raw = graph_op_names(node)
+    if canonical == "softmax" and (torch.Tag.reduction in tags or node.target is operator.getitem):
+        return True  # its maximum and sum: the map is recomputed whole, as eagerly
+    if torch.Tag.pointwise not in tags:
+        return False
+    return canonical in CARRY_OPS or raw in CARRY_OPS
+
+
+def recomputed_attention(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The products of two forward values (:func:`activation_product`) and what carries them
+    (:func:`_carried`) up to the next product: attention's map, recomputed from ``q`` and
+    ``k`` through its scale, mask and softmax (its maximum and sum too: saved exactly they
+    cost a sixth of a 2-bit map's code on the zoo's GPT), and its output, from the map and
+    ``v`` through the layout copy the output projection reads, as the eager engine
+    recomputes them (:mod:`torchstash.derive`)."""
+    forward = set(nodes)
+    found: set[torch.fx.Node] = set()
+    todo = [n for n in nodes if activation_product(n)]
+    while todo:
+        node = todo.pop()
+        if node in found:
+            continue
+        found.add(node)
+        for user in node.users:
+            if (
+                user in forward
+                and user not in found
+                and (_carried(user) or activation_product(user))
+            ):
+                todo.append(user)
+    return found
+
+
+def _masks_of(relu: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The ``<= 0`` comparisons that read ``relu``'s output (past aliases) in a joint graph:
+    its backward's mask (``threshold_backward``, decomposed), which reads nothing else of it.
+    None where anything else reads the output but a graph's products (the next conv's or
+    linear's weight gradient, which read values): an undecomposed ``threshold_backward``
+    reads the output itself."""
+    masks: list[torch.fx.Node] = []
+    todo = list(relu.users)
+    while todo:
+        user = todo.pop()
+        if user.op != "call_function":
+            return None
+        if user.target in VIEW_OPS:
+            todo.extend(user.users)
+        elif user.target is aten.le.Scalar:
+            if user.args[1] != 0:
+                return None
+            masks.append(user)
+        elif user.target is aten.threshold_backward.default or user.target in _MASKS:
+            return None
+    return masks
+
+
+def recomputed_relus(nodes: list[torch.fx.Node], marked: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """ReLUs of a recomputed value (a BatchNorm's output, ``marked``) whose backward reads
+    their output through its ``<= 0`` mask only (:func:`_masks_of`)."""
+    return {
+        n
+        for n in nodes
+        if n.op == "call_function"
+        and n.target in _MASKS
+        and isinstance(n.args[0], torch.fx.Node)
+        and n.args[0] in marked
+        and _masks_of(n) is not None
+    }
+
+
+def _fake(target: Any, *args: Any) -> Any:
+    """``target``'s value on the nodes' fake values (a new node's ``meta["val"]``)."""
+    values = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+    mode = next(v.fake_mode for v in values if hasattr(v, "fake_mode"))
+    with mode:
+        return target(*values)
+
+
+def split_relu(graph: torch.fx.Graph, relu: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """``relu(x)`` as ``where(x <= 0, 0, x)``, its backward's masks reading that ``x <= 0``:
+    the mask is then a forward value, saved exactly (one bit each once coded), and the output
+    may be recomputed from a code of ``x`` (the eager engine recomputes a BatchNorm's output
+    through its ReLU and keeps the signs exact). Returns (mask, output)."""
+    x = relu.args[0]
+    masks = _masks_of(relu) or []
+    with graph.inserting_before(relu):
+        mask = graph.call_function(aten.le.Scalar, (x, 0))
+        mask.meta.update(relu.meta)
+        mask.meta["val"] = _fake(aten.le.Scalar, x, 0)
+        out = graph.call_function(aten.where.ScalarSelf, (mask, 0.0, x))
+        out.meta.update(relu.meta)
+        out.meta["val"] = _fake(aten.where.ScalarSelf, mask, 0.0, x)
+    relu.replace_all_uses_with(out)
+    graph.erase_node(relu)
+    for old in masks:
+        old.replace_all_uses_with(mask)
+        graph.erase_node(old)
+    return mask, out
+
+
+def keep_exact(graph: torch.fx.Graph, recompute: Collection[str] | bool = True) -> None:
     """Marks the :func:`kept_exactly` values of a joint graph's forward ``MUST_SAVE``, and
-    with ``recompute`` the :func:`recomputed` ones ``MUST_RECOMPUTE``."""
-    for node in forward_nodes(graph):
-        if kept_exactly(node):
+    those of the ops in ``recompute`` (True: :data:`RECOMPUTED_OPS`) ``MUST_RECOMPUTE``:
+    their :func:`recomputed` steps, with ``matmul`` the :func:`recomputed_attention`; a ReLU
+    of a recomputed value (:func:`recomputed_relus`) is split (:func:`split_relu`), its mask
+    saved and its output recomputed."""
+    ops = RECOMPUTED_OPS if recompute is True else frozenset(recompute or ())
+    nodes = forward_nodes(graph)
+    marked = {n for n in nodes if recomputed(n, ops) and not kept_exactly(n)}
+    if "matmul" in ops:
+        marked |= recomputed_attention(nodes)
+    masks: set[torch.fx.Node] = set()
+    for relu in recomputed_relus(nodes, marked):
+        mask, out = split_relu(graph, relu)
+        masks.add(mask)
+        marked.add(out)
+    if masks:
+        nodes = forward_nodes(graph)
+    for node in nodes:
+        if node in masks or (kept_exactly(node) and node not in marked):
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-        elif recompute and recomputed(node):
+        elif node in marked:
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
 
 
@@ -159,10 +322,12 @@ JointPass = Callable[[torch.fx.GraphModule, Any], torch.fx.GraphModule]
 
 class KeepExact:
     """AOTAutograd's joint-graph callback: the user's own first (``first``), then
-    :func:`keep_exact` (recomputing where ``recompute``: the strategy's compressors let
-    outputs be recomputed from their codes, :func:`~torchstash.compressor.derives`)."""
+    :func:`keep_exact`, recomputing the outputs of the ops in ``recompute``: those the
+    strategy's compressors recompute from their codes (:func:`~torchstash.compressor.recomputed_ops`)."""
 
-    def __init__(self, first: JointPass | None = None, recompute: bool = True) -> None:
+    def __init__(
+        self, first: JointPass | None = None, recompute: Collection[str] | bool = True
+    ) -> None:
         self.first = first
         self.recompute = recompute
 
@@ -173,7 +338,9 @@ class KeepExact:
         return module
 
 
-def with_keep_exact(joint_pass: JointPass | None, recompute: bool = True) -> KeepExact:
+def with_keep_exact(
+    joint_pass: JointPass | None, recompute: Collection[str] | bool = True
+) -> KeepExact:
     """``torch._functorch.config.joint_custom_pass`` (None or the user's callable) with
     :func:`keep_exact` after it (once)."""
     if isinstance(joint_pass, KeepExact):
@@ -190,6 +357,10 @@ __all__ = [
     "keep_exact",
     "kept_exactly",
     "recomputed",
+    "recomputed_attention",
+    "recomputed_relus",
+    "split_relu",
+    "statistic",
     "view_base",
     "with_keep_exact",
 ]

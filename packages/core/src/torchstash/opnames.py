@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["KNOWN_OPS", "is_known_op", "op_names"]
+__all__ = ["CARRY_OPS", "KNOWN_OPS", "LAYOUT_OPS", "POINTWISE_OPS", "is_known_op", "op_names"]
 
 # Raw function names that share one canonical op name.
 _CANONICAL = {
@@ -114,3 +114,66 @@ def graph_op_names(node: Any) -> tuple[str, str]:
     target = node.target
     packet = getattr(target, "overloadpacket", target)
     return op_names_of_name(getattr(packet, "__name__", str(packet)).lstrip("_"))
+
+
+#: Functions that only view or copy their first argument's values in another layout: replayed
+#: with the same arguments, they carry a recipe from their input to their output.
+LAYOUT_OPS = frozenset(
+    {
+        "transpose",
+        "swapaxes",
+        "swapdims",
+        "permute",
+        "movedim",
+        "reshape",
+        "view",
+        "flatten",
+        "unflatten",
+        "squeeze",
+        "unsqueeze",
+        "contiguous",
+        "clone",
+    }
+)
+#: Elementwise functions replayed on a recomputed argument, the others held as they were
+#: (numbers, masks, scales: see :func:`replay_step`): a BatchNorm's output through the
+#: (in-place) ReLU after it; ``q @ k.T`` through the scale, the mask and the softmax to the
+#: attention map, and through the casts around them.
+POINTWISE_OPS = frozenset(
+    {
+        "relu",
+        "relu_",
+        "mul",
+        "mul_",
+        "__mul__",
+        "__rmul__",
+        "__imul__",
+        "div",
+        "div_",
+        "true_divide",
+        "truediv",  # operator.truediv: a compiled graph's name for ``a / b``
+        "__truediv__",
+        "__itruediv__",
+        "add",
+        "add_",
+        "__add__",
+        "__radd__",
+        "__iadd__",
+        "sub",
+        "sub_",
+        "__sub__",
+        "__isub__",
+        "masked_fill",
+        "masked_fill_",
+        "where",
+        "softmax",
+        "to",
+        "type",
+        "float",
+        "half",
+        "bfloat16",
+    }
+)
+#: Every function a recipe is carried through (the eager engine's recipes,
+#: :mod:`torchstash.derive`; a compiled graph's recomputed attention, :mod:`torchstash.graphkeep`).
+CARRY_OPS = LAYOUT_OPS | POINTWISE_OPS

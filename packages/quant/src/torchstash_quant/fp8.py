@@ -25,6 +25,7 @@ class Fp8Quantizer(BaseCompressor):
     name = "quant.fp8"
     lossless = False
     replays = True
+    traceable = True
 
     def __init__(self, group_size: int = 256) -> None:
         self.group_size = check_group_size(group_size, self.name)

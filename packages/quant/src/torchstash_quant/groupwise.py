@@ -129,29 +129,24 @@ class GroupQuantizer(BaseCompressor):
         """Why a compiled graph does not run its codes (None where it does, see
         :mod:`torchstash.graphhooks`); ``recomputes``: the graph recomputes what the eager
         engine recomputes (the strategy derives outputs, or has a ``compile_budget``). At 8
-        bits it always runs them. At 4 bits the gradients stay near stock's only where
-        LayerNorm and GELU outputs come back from their coded inputs, as eagerly: coded at 4
-        bits themselves, the zoo's GPT came to cosine 0.990 compiled against 0.9998 eager;
-        recomputed (inductor, tiny zoo) GPT 0.99970 (eager 0.99976), ViT 0.99949 (0.99925),
-        ResNet 0.99385 (0.98911). At 2 bits the GPT and the ViT stay short of eager even so
-        (0.992 against 0.998, 0.981 against 0.991: ``docs/compile.md``). At 1 bit the code
-        reads on the host whether a group holds NaN or Inf (see :meth:`encode`)."""
-        if self.bits == 8 or (self.bits == 4 and recomputes):
+        bits it always runs them. At 4 and 2 bits the gradients stay near stock's only where
+        LayerNorm and GELU outputs and attention's map come back from their coded inputs,
+        as eagerly: coded at 4 bits themselves, the zoo's GPT came to cosine 0.990 compiled
+        against 0.9998 eager; recomputed (inductor, tiny zoo; eager in brackets) int4 GPT
+        0.99997 (0.99976), ViT 0.99997 (0.99925), ResNet 0.99038 (0.98911); int2 GPT 0.99846
+        (0.99825), ViT 0.99448 (0.99096), ResNet 0.85707 (0.82268). At 1 bit the code reads
+        on the host whether a group holds NaN or Inf (see :meth:`encode`)."""
+        if self.bits == 8 or (self.bits in (4, 2) and recomputes):
             return None
-        if self.bits == 4:
+        if self.bits in (4, 2):
             return (
-                "at 4 bits a compiled graph keeps eager's accuracy only where it recomputes "
-                "LayerNorm and GELU outputs from their coded inputs: leave derive on (the "
-                "default), or apply(model, ..., compile_budget=0.5)"
-            )
-        if self.bits == 2:
-            return (
-                "at 2 bits a compiled graph leaves the gradients further from stock's than "
-                "eager does (docs/compile.md); quant.int8 and quant.int4 run in the graph"
+                f"at {self.bits} bits a compiled graph keeps eager's accuracy only where it "
+                "recomputes LayerNorm and GELU outputs and attention's map from their coded "
+                "inputs: leave derive on (the default), or apply(model, ..., compile_budget=0.5)"
             )
         return (
             "at 1 bit the code reads on the host whether a group holds NaN or Inf, which a "
-            "compiled graph cannot; quant.int8 and quant.int4 run in the graph"
+            "compiled graph cannot; quant.int8, quant.int4 and quant.int2 run in the graph"
         )
 
     def decompress(self, packed: Packed) -> torch.Tensor:

@@ -20,7 +20,6 @@ import torch
 from ..casts import cast_of
 from ..compressor import Compressor
 from ..derive import (
-    CARRY_OPS,
     DERIVE_OPS,
     FUSED,
     SDPA,
@@ -30,6 +29,7 @@ from ..derive import (
     recipe,
     save_kind,
 )
+from ..opnames import CARRY_OPS
 from ..optrack import STATE as OP_STATE
 from ..optrack import on_result
 from ..packed import Packed

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ..derive import CARRY_OPS
+from ..opnames import CARRY_OPS
 from ..optrack import STATE as OP_STATE
 from ..optrack import OpTracker, role_of, wait_for, watching
 from ..packed import storage_base
