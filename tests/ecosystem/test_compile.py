@@ -1,6 +1,6 @@
-"""``quant.int8`` inside torch.compile's graph on the models users bring (Hugging Face, timm
-and torchvision, built from configs): the compiled step codes what the graph saves, with
-gradients as close to stock's as the eager strategy's. Dropout is set to 0: a compiled graph
+"""``quant.int8`` and ``quant.fp8`` inside torch.compile's graph on the models users bring
+(Hugging Face, timm and torchvision, built from configs): the compiled step codes what the
+graph saves, with gradients as close to stock's as the eager strategy's. Dropout is set to 0: a compiled graph
 draws its masks otherwise than eager code, which would hide what the codes change."""
 
 from __future__ import annotations
@@ -34,8 +34,14 @@ def _step(spec: object, model: torch.nn.Module, call: object) -> dict[str, torch
 
 # dynamo reads ``.grad`` of a non-leaf while tracing Hugging Face's loss (stock's too)
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+@pytest.mark.parametrize(
+    ("strategy", "backend"),
+    [("quant.int8", "aot_eager"), ("quant.fp8", "aot_eager")],
+)
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_compiled_int8_is_as_close_to_stock_as_eager(name: str) -> None:
+def test_compiled_strategy_is_as_close_to_stock_as_eager(
+    name: str, strategy: str, backend: str
+) -> None:
     spec = MODELS[name]
     torch._dynamo.reset()
     try:
@@ -43,13 +49,14 @@ def test_compiled_int8_is_as_close_to_stock_as_eager(name: str) -> None:
     except Unavailable as e:
         pytest.skip(str(e))
     want = _step(spec, stock, stock)
-    with ts.apply(eager, "quant.int8", seed=0):
+    options = {"seed": 0} if strategy.startswith("quant.int") else {}
+    with ts.apply(eager, strategy, **options):
         eager_grads = _step(spec, eager, eager)
-    handle = ts.apply(ours, "quant.int8", seed=0)
+    handle = ts.apply(ours, strategy, **options)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", CompileFallbackWarning)
-            compiled_grads = _step(spec, ours, torch.compile(ours, backend="aot_eager"))
+            compiled_grads = _step(spec, ours, torch.compile(ours, backend=backend))
         per_site = [w for w in caught if "keeps" in str(w.message)]
         assert not per_site, [str(w.message) for w in per_site]
         assert handle.graph is not None

@@ -463,10 +463,6 @@ class GraphHooks:
         compressor = self.resolve(site, types)
         if compressor is None:
             return None, ""
-        if attention:
-            # q, k, v and the output, coded as values: the kernel's backward reads them
-            # with the exact log-sum-exp (kept), which its op-aware code does not know
-            compressor = getattr(compressor, "values", compressor)
         reasons = compressor.unsupported(x, site)
         if reasons:
             return None, "; ".join(reasons)

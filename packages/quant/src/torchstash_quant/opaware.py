@@ -208,6 +208,10 @@ def from_softmax(t: object, depth: int = 4) -> bool:
     return False
 
 
+#: a compiled graph's roles of an attention kernel's saved tensors, as argument positions
+_GRAPH_ATTENTION_ROLES = {"input": 0, "arg1": 1, "arg2": 2, "output": 0}
+
+
 def attention_part(x: torch.Tensor, site: Site) -> str:
     """What ``x`` is to attention: ``"map"`` (a softmax's output), ``"scores"`` (an operand of
     a matmul of two activations neither of which comes from a softmax: ``q``, ``k.T``),
@@ -219,6 +223,10 @@ def attention_part(x: torch.Tensor, site: Site) -> str:
         return "values" if site.func == "log_softmax" else "map"
     if site.op == SDPA:  # q, k: its map is recomputed from them; v
         position = site.opcall.position(x)
+        if position is None and not site.opcall.args:
+            # a compiled graph's save (no call to read): its role among the kernel's tensors;
+            # the output the kernel saves stands in for the one eager recomputes from q, k, v
+            position = _GRAPH_ATTENTION_ROLES.get(site.role)
         return "" if position is None else ("scores", "scores", "values")[position]
     if site.op != "matmul" or site.opcall.has_parameter:
         return ""
