@@ -144,9 +144,10 @@ def eager_recomputes(node: torch.fx.Node) -> bool:
     return False
 
 
-def view_base(node: torch.fx.Node) -> torch.fx.Node:
-    """The node whose value ``node`` views (itself where it is no view)."""
-    while node.op == "call_function" and node.target in VIEW_OPS and node.args:
+def view_base(node: torch.fx.Node, steps: Collection[Any] = VIEW_OPS) -> torch.fx.Node:
+    """The node whose value ``node`` views (itself where it is no view); with ``steps``,
+    past those ops instead (copies too: :data:`_OPERAND_STEPS`)."""
+    while node.op == "call_function" and node.target in steps and node.args:
         base = node.args[0]
         if not isinstance(base, torch.fx.Node):
             break
@@ -160,15 +161,6 @@ _PRODUCTS = frozenset({aten.bmm.default, aten.mm.default})
 _OPERAND_STEPS = VIEW_OPS | {aten.clone.default, aten.contiguous.default}
 
 
-def _operand_root(node: torch.fx.Node) -> torch.fx.Node:
-    while node.op == "call_function" and node.target in _OPERAND_STEPS and node.args:
-        base = node.args[0]
-        if not isinstance(base, torch.fx.Node):
-            break
-        node = base
-    return node
-
-
 def activation_product(node: torch.fx.Node) -> bool:
     """Whether ``node`` is a ``matmul`` of two values computed in the forward (attention's
     ``q @ k.T`` and ``attn @ v``), not a layer's product with its weight (a graph input):
@@ -178,7 +170,9 @@ def activation_product(node: torch.fx.Node) -> bool:
     if graph_op_names(node)[0] != "matmul":
         return False
     operands = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]
-    return len(operands) == 2 and all(_operand_root(a).op != "placeholder" for a in operands)
+    return len(operands) == 2 and all(
+        view_base(a, _OPERAND_STEPS).op != "placeholder" for a in operands
+    )
 
 
 def _carried(node: torch.fx.Node) -> bool:
