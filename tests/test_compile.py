@@ -1,10 +1,10 @@
 """torch.compile with every installed strategy: inside the compiled graph where its codes
-trace (``quant.int8``, ``quant.fp8`` and presets: :mod:`torchstash.graphhooks`), else
-one clear warning quoting why, and an eager fallback.
+trace (``quant.int8``, ``quant.int4``, ``quant.fp8`` and presets:
+:mod:`torchstash.graphhooks`), else one clear warning quoting why, and an eager fallback.
 
 In the graph a strategy codes what the compiled graph saves, with gradients as close to stock's
-as eager's; a strategy that does not run there (int4 and int2, whose graphs fall short of
-eager's accuracy on models outside the zoo, mesa, ``quant.auto``, ``quant.int1``,
+as eager's; a strategy that does not run there (int2, whose graphs keep more bytes than
+eager on models outside the zoo, int4 without ``derive``, mesa, ``quant.auto``, ``quant.int1``,
 the dropping and offloading strategies) runs eagerly under ``torch.compile`` (bit-exact with
 eager, savings intact); rewrite-only ``memsave`` is traced into the graph. ``aot_eager`` runs
 AOTAutograd's capture without code generation, so the suite stays fast; the inductor cases
@@ -12,6 +12,7 @@ check the generated code too."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -196,7 +197,6 @@ def test_remove_restores_compilation() -> None:
 
 
 def test_state_dict_and_deepcopy_unaffected() -> None:
-    import copy
 
     entry = MODELS["gpt"]
     model = entry.build()
@@ -371,8 +371,6 @@ def test_eager_calls_after_compiling_still_take_the_eager_engine() -> None:
 def test_bf16_autocast_in_the_graph(model_name: str) -> None:
     """bf16 autocast around a compiled ``fullgraph=True`` call: the graph's bf16 and float32
     saves coded, gradients near stock's under the same autocast."""
-    import copy
-
     entry = MODELS[model_name]
     torch.manual_seed(0)
     stock = entry.build()
@@ -601,19 +599,20 @@ def test_compiled_with_a_budget_keeps_eager_s_accuracy(strategy: str, model_name
 
 
 def test_a_strategy_that_stays_eager_says_why() -> None:
-    """``quant.int4``, ``quant.int2`` and ``quant.int1`` run eagerly under compile: the
-    warning and the ``fullgraph=True`` error quote the reason, and ``compile_budget`` is
-    refused with it."""
+    """``quant.int4`` without ``derive``, ``quant.int2`` and ``quant.int1`` run eagerly under
+    compile: the warning and the ``fullgraph=True`` error quote the reason, and
+    ``compile_budget`` is refused with it (int4 takes it: the budget's partitioner
+    recomputes)."""
     entry = MODELS["gpt"]
     x, y = entry.batch(2, torch.device("cpu"))
-    for strategy, reason in [
-        ("quant.int4", "outside the test zoo"),
-        ("quant.int2", "outside the test zoo"),
-        ("quant.int1", "at 1 bit"),
+    for strategy, options, reason in [
+        ("quant.int4", {"derive": False}, "leave derive on"),
+        ("quant.int2", {}, "outside the test zoo"),
+        ("quant.int1", {}, "at 1 bit"),
     ]:
         torch._dynamo.reset()
         model = entry.build()
-        with ts.apply(model, strategy) as handle:
+        with ts.apply(model, strategy, **options) as handle:
             assert handle.graph is None
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", CompileFallbackWarning)
@@ -625,8 +624,9 @@ def test_a_strategy_that_stays_eager_says_why() -> None:
             with pytest.raises(Exception, match=reason):
                 run = torch.compile(model, backend="aot_eager", fullgraph=True)
                 entry.loss(run, x, y)  # type: ignore[arg-type]
-        with pytest.raises(ApplyError, match=reason):
-            ts.apply(entry.build(), strategy, compile_budget=0.5)
+        if strategy != "quant.int4":
+            with pytest.raises(ApplyError, match=reason):
+                ts.apply(entry.build(), strategy, compile_budget=0.5)
 
 
 def test_an_empty_save_is_kept_with_min_bytes_zero() -> None:
@@ -739,3 +739,45 @@ def test_keep_exact_joins_the_user_s_own_joint_pass() -> None:
     # eagerly), the decomposed BatchNorm's var_mean and its variance and mean
     assert seen == ["mine"] and len(marked) == 4, marked
     assert {n.target for n in marked} >= {torch.ops.aten.le.Scalar}
+
+
+class _LayerNorm2d(torch.nn.LayerNorm):
+    """timm's ``LayerNorm2d``: a LayerNorm over the channels of ``x.permute(0, 2, 3, 1)``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def test_a_value_its_op_reads_permuted_is_coded_as_it_reads_it() -> None:
+    """On a channels-last map the LayerNorm's permuted view is contiguous in rows of
+    channels: eager codes it so. The graph saves the map itself, (N, C, H, W) in shape, and
+    codes it through the same ``permute`` (in rows of W it would be kept exact): the same
+    bytes as eager's, gradients as close to stock's."""
+    torch.manual_seed(0)
+    channels_last = torch.channels_last
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 64, 1), _LayerNorm2d(64), torch.nn.Conv2d(64, 64, 1)
+    ).to(memory_format=channels_last)
+    x = torch.randn(4, 3, 8, 8).to(memory_format=channels_last)
+    stock = copy.deepcopy(model)
+    stock(x).square().sum().backward()
+    want = [p.grad for p in stock.parameters()]
+
+    def grads(call: Callable[..., Any]) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        call(x).square().sum().backward()
+        return [p.grad for p in model.parameters()]  # type: ignore[misc]
+
+    with ts.apply(model, "quant.int4", seed=0) as handle:
+        eager = grads(model)
+        eager_row = handle.tally.rows["1"]
+        assert eager_row.compressed == 1, eager_row
+        eager_bytes = eager_row.stored_bytes
+    torch._dynamo.reset()
+    with ts.apply(model, "quant.int4", seed=0) as handle:
+        compiled = grads(torch.compile(model, backend="aot_eager_decomp_partition"))
+        assert handle.graph is not None
+        (coded,) = [d for d in handle.graph.decisions if d.site.op == "layer_norm" and d.compressor]
+        assert coded.permuted == (0, 2, 3, 1)
+        assert handle.tally.rows["1"].stored_bytes == eager_bytes
+    assert cosine(want, compiled) >= cosine(want, eager) - 1e-3

@@ -1,6 +1,7 @@
-"""``quant.int8`` and ``quant.fp8`` inside torch.compile's graph on the models users bring
-(Hugging Face, timm and torchvision, built from configs): the compiled step codes what the
-graph saves, with gradients as close to stock's as the eager strategy's. Dropout is set to 0: a compiled graph
+"""``quant.int8``, ``quant.fp8`` and ``quant.int4`` inside torch.compile's graph on the models
+users bring (Hugging Face, timm and torchvision, built from configs): the compiled step codes
+what the graph saves, with gradients as close to stock's as the eager strategy's (int4, with
+the partitioner's recomputation: in at most 1.1x eager's bytes). Dropout is set to 0: a compiled graph
 draws its masks otherwise than eager code, which would hide what the codes change."""
 
 from __future__ import annotations
@@ -36,7 +37,12 @@ def _step(spec: object, model: torch.nn.Module, call: object) -> dict[str, torch
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
 @pytest.mark.parametrize(
     ("strategy", "backend"),
-    [("quant.int8", "aot_eager"), ("quant.fp8", "aot_eager")],
+    [
+        ("quant.int8", "aot_eager"),
+        ("quant.fp8", "aot_eager"),
+        # int4 needs the partitioner's recomputation (aot_eager keeps LayerNorm whole)
+        ("quant.int4", "aot_eager_decomp_partition"),
+    ],
 )
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_compiled_strategy_is_as_close_to_stock_as_eager(
@@ -50,8 +56,9 @@ def test_compiled_strategy_is_as_close_to_stock_as_eager(
         pytest.skip(str(e))
     want = _step(spec, stock, stock)
     options = {"seed": 0} if strategy.startswith("quant.int") else {}
-    with ts.apply(eager, strategy, **options):
+    with ts.apply(eager, strategy, **options) as eagerly:
         eager_grads = _step(spec, eager, eager)
+        eager_bytes = eagerly.tally.stored_bytes
     handle = ts.apply(ours, strategy, **options)
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -64,5 +71,8 @@ def test_compiled_strategy_is_as_close_to_stock_as_eager(
         whole_eager, _ = closeness(want, eager_grads)
         whole_compiled, _ = closeness(want, compiled_grads)
         assert whole_compiled > whole_eager - 0.001, (whole_compiled, whole_eager)
+        if backend == "aot_eager_decomp_partition":  # recomputes what eager recomputes
+            ratio = handle.tally.stored_bytes / eager_bytes
+            assert ratio <= 1.1, ratio
     finally:
         handle.remove()

@@ -14,8 +14,9 @@ import torch._functorch.config as functorch_config
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
-from torchstash.compressor import recomputed_ops
-from torchstash.graphkeep import RECOMPUTED_OPS, keep_exact, statistic
+from torchstash.compressor import declined_readers, recomputed_ops
+from torchstash.graphkeep import RECOMPUTED_OPS, forward_nodes, keep_exact, statistic
+from torchstash.opnames import graph_op_names
 
 aten = torch.ops.aten
 SAVE, RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_RECOMPUTE
@@ -28,13 +29,18 @@ def _fresh() -> Any:
     torch._dynamo.reset()
 
 
-def joint_graph(model: nn.Module, x: torch.Tensor, ops: Collection[str]) -> torch.fx.Graph:
+def joint_graph(
+    model: nn.Module,
+    x: torch.Tensor,
+    ops: Collection[str],
+    declined: Collection[tuple[str, str]] = (),
+) -> torch.fx.Graph:
     """``model``'s joint graph (``aot_eager_decomp_partition``: inductor's decompositions)
-    after :func:`keep_exact` with ``ops``."""
+    after :func:`keep_exact` with ``ops`` and ``declined``."""
     found: list[torch.fx.Graph] = []
 
     def grab(module: torch.fx.GraphModule, inputs: Any) -> torch.fx.GraphModule:
-        keep_exact(module.graph, ops)
+        keep_exact(module.graph, ops, declined)
         found.append(module.graph)
         return module
 
@@ -168,3 +174,85 @@ def test_a_strategy_recomputes_what_its_eager_codes_let_it(
     assert not recomputed_ops(
         torchstash.REGISTRY.get(strategy).create(derive=False), RECOMPUTED_OPS
     )
+
+
+def _bn_silu() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.SiLU(inplace=True), nn.Conv2d(8, 8, 1)
+    )
+
+
+def _feeds(node: torch.fx.Node, op: str, reader: str) -> bool:
+    return graph_op_names(node)[0] == op and any(
+        graph_op_names(u)[0] == reader for u in node.users if u.op == "call_function"
+    )
+
+
+def test_a_batch_norm_s_output_a_silu_keeps_as_its_own_is_saved() -> None:
+    """``(batch_norm, silu)`` declined: the BatchNorm's last step, which the SiLU reads, is
+    saved (coded as the SiLU's input, as eagerly); the SiLU's own steps stay recomputed."""
+    x = torch.randn(2, 3, 10, 10)
+    graph = joint_graph(_bn_silu(), x, RECOMPUTED_OPS, {("batch_norm", "silu")})
+    assert [n for n in marks(graph, SAVE) if _feeds(n, "batch_norm", "silu")]
+    assert not [n for n in marks(graph, RECOMPUTE) if _feeds(n, "batch_norm", "silu")]
+    assert [n for n in marks(graph, RECOMPUTE) if graph_op_names(n)[0] == "silu"]
+    torch._dynamo.reset()
+    graph = joint_graph(_bn_silu(), x, RECOMPUTED_OPS)
+    assert [n for n in marks(graph, RECOMPUTE) if _feeds(n, "batch_norm", "silu")]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "declined"),
+    [
+        ("quant.int8", set()),
+        ("quant.int4", {("batch_norm", a) for a in ("gelu", "silu", "hardswish")}),
+        ("quant.int2", set()),  # a BatchNorm's output is not recomputed at all
+    ],
+)
+def test_a_strategy_declines_an_activation_s_input_below_its_act_bits(
+    strategy: str, declined: set[tuple[str, str]]
+) -> None:
+    pytest.importorskip("torchstash_quant")
+    import torchstash
+
+    compressor = torchstash.REGISTRY.get(strategy).create()
+    assert declined_readers(compressor, RECOMPUTED_OPS) == declined
+
+
+class _Encoder(nn.Module):
+    """A LayerNorm before ``nn.MultiheadAttention``, batch first (so its input is transposed
+    and copied before the projection)."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ln(x)
+        return self.attn(y, y, y, need_weights=False)[0]
+
+
+def test_multihead_attention_s_parts_are_named_as_eager_names_them() -> None:
+    """Dynamo keeps ``F.multi_head_attention_forward`` whole: its projections are named
+    ``linear`` and its kernel ``scaled_dot_product_attention``, as the eager engine's sites;
+    the projections' layout copies of a recomputed LayerNorm output and of the attention's
+    output are recomputed with them, not saved as values of their own."""
+    torch.manual_seed(0)
+    graph = joint_graph(_Encoder(), torch.randn(2, 16, 32), RECOMPUTED_OPS)
+    names = {graph_op_names(n)[0] for n in graph.nodes if n.op == "call_function"}
+    assert {"linear", "scaled_dot_product_attention"} <= names, names
+    assert "multi_head_attention_forward" not in names
+    forward = forward_nodes(graph)
+    products = [n for n in forward if n.target in (aten.mm.default, aten.addmm.default)]
+    copies = [
+        a
+        for n in products
+        for a in n.all_input_nodes
+        if a.target in (aten.clone.default, aten.view.default, aten._unsafe_view.default)
+        and a.args[0].op != "placeholder"
+    ]
+    assert copies and all(c.meta.get("recompute") is RECOMPUTE for c in copies), [
+        (c, c.meta.get("recompute")) for c in copies
+    ]

@@ -196,6 +196,36 @@ def test_act_bits_stores_the_input_wider_and_recomputes_the_output() -> None:
     assert h.tally.rows["2"].derived == 0 and h.tally.rows["2"].compressed == 1
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize(
+    ("strategy", "derived"), [("quant.int8", 1), ("quant.int4", 0), ("quant.int2", 0)]
+)
+def test_an_activation_after_a_batch_norm_keeps_its_own_width(
+    strategy: str, derived: int, inplace: bool
+) -> None:
+    """A SiLU's input, a BatchNorm's output, is recomputed from the BatchNorm's coded input
+    only where that code is as wide as ``act_bits`` (int8: no ``act_bits``); under int4 it is
+    kept at 8 bits, in place or not (eager once recomputed it from 4 bits when not in place,
+    and a compiled graph did so either way). An in-place SiLU saves a copy of its input, which
+    no recipe names: stored, at any width."""
+    from torchstash_quant.opaware import OpAware
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.SiLU(inplace), nn.Conv2d(16, 8, 1)
+    )
+    x = torch.randn(4, 3, 16, 16)
+    with ts.apply(model, strategy, seed=0) as h:
+        model(x).sum().backward()
+    row = h.tally.rows["2"]
+    assert row.derived == (derived and not inplace), row
+    assert (row.stored_bytes == 0) is bool(row.derived), row
+    compressor = next(b.compressor for b in h.plan.built.values() if b.compressor is not None)
+    assert isinstance(compressor, OpAware)
+    assert compressor.derives_op("batch_norm", "silu") is bool(derived)
+    assert compressor.derives_op("batch_norm", "conv") is (strategy != "quant.int2")
+
+
 @pytest.mark.parametrize("value", [3, "4", True, 0])
 def test_act_bits_rejects_other_widths(value: object) -> None:
     with pytest.raises(OptionError, match="act_bits"):

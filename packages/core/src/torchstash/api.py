@@ -20,7 +20,7 @@ from . import tags
 if TYPE_CHECKING:
     from .budget import BudgetPlan
 from .compiling import EagerUnderCompile, GraphUnderCompile, compiling, warn_compiled
-from .compressor import graph_refusal, recomputed_ops
+from .compressor import declined_readers, graph_refusal, recomputed_ops
 from .engine import DEFAULT_MIN_BYTES, Engine, ModuleInfo, Tally
 from .engine.replay import Replayer
 from .errors import ApplyError, NothingToRewriteWarning
@@ -340,13 +340,12 @@ def _install_hooks(
             engine.resolve, engine.min_bytes, _lookup(infos), handle.policy.name, engine.tally
         )
         graph.memory_budget = None if compile_budget is None else float(compile_budget)
+        compressors = [b.compressor for b in handle.plan.built.values() if b.compressor is not None]
         graph.recomputes = frozenset.intersection(
-            RECOMPUTED_OPS,
-            *(
-                recomputed_ops(b.compressor, RECOMPUTED_OPS)
-                for b in handle.plan.built.values()
-                if b.compressor is not None
-            ),
+            RECOMPUTED_OPS, *(recomputed_ops(c, RECOMPUTED_OPS) for c in compressors)
+        )
+        graph.declined = frozenset().union(
+            *(declined_readers(c, RECOMPUTED_OPS) for c in compressors)
         )
         handle.graph = graph
         handle.hooks.append(GraphUnderCompile(model, graph, engine))

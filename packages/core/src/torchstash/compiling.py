@@ -200,7 +200,9 @@ def _enter_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     from .graphkeep import with_keep_exact
 
     told: dict[str, Any] = {
-        "joint_custom_pass": with_keep_exact(functorch_config.joint_custom_pass, hooks.recomputes)
+        "joint_custom_pass": with_keep_exact(
+            functorch_config.joint_custom_pass, hooks.recomputes, hooks.declined
+        )
     }
     if hooks.memory_budget is not None:
         told["activation_memory_budget"] = hooks.memory_budget

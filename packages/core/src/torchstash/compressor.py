@@ -39,6 +39,9 @@ class Compressor(Protocol):
     ``derivable(x, site) -> bool`` says a code may stand in for the op's output, and
     ``derived(x, site, sources)`` is told of each save kept as a recomputation from the
     entries stored at the ``sources`` sites (a budget then counts it: it costs no bytes).
+    ``derives_op(op, reader=None) -> bool`` declines an op's output as a recomputation, for
+    every reader or for one (an activation's input kept at its own, wider code rather than
+    recomputed from a BatchNorm's narrower one): eager and compiled follow it alike.
     A compressor whose ``compress`` reads nothing of the site's op call, and whose code of a
     tensor of one shape, dtype and layout always takes the same bytes, sets ``replays = True``
     (or says so per save, ``replays_at(x, site) -> bool``, asked while the call runs): the
@@ -235,3 +238,26 @@ def recomputed_ops(compressor: Compressor, ops: Iterable[str]) -> frozenset[str]
         return frozenset()
     told = getattr(compressor, "derives_op", None)
     return frozenset(op for op in ops if told is None or told(op))
+
+
+def declined_readers(compressor: Compressor, ops: Iterable[str]) -> frozenset[tuple[str, str]]:
+    """The pairs ``(op, reader)`` of ``ops`` where ``compressor`` recomputes ``op``'s output but
+    not as ``reader``'s saved input (``derives_op(op, reader)`` false): that input is then
+    saved and coded as the reader's own, eagerly (:func:`recomputes_into`) and compiled."""
+    told = getattr(compressor, "derives_op", None)
+    if told is None or not derives(compressor):
+        return frozenset()
+    ops = tuple(ops)
+    return frozenset(
+        (op, reader)
+        for op in ops
+        for reader in ops
+        if op != reader and told(op) and not told(op, reader)
+    )
+
+
+def recomputes_into(compressor: Compressor, op: str, reader: str) -> bool:
+    """Whether the eager engine may keep ``reader``'s saved input, ``op``'s output, as a
+    recomputation from ``compressor``'s code of ``op``'s input (``derives_op``; default yes)."""
+    told = getattr(compressor, "derives_op", None)
+    return told is None or bool(told(op, reader))

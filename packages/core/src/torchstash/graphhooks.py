@@ -38,7 +38,7 @@ from .engine.tally import Tally
 from .engine.totals import Totals
 from .errors import CompileFallbackWarning
 from .graphkeep import eager_recomputes, statistic, view_base
-from .graphsite import relu_output, site_of
+from .graphsite import read_permutation, relu_output, site_of
 from .kernels import kernels_in_graph
 from .layout import dense_order, dense_strides, strides_in_order, with_layout
 from .packed import Allocation, Packed, allocation, raw_nbytes
@@ -149,12 +149,21 @@ class Decision:
     #: a value of symbolic sizes: the order its dimensions lie in memory (``strides`` would
     #: be the forward's symbols), its sizes carried (:func:`shape_carrier`)
     order: tuple[int, ...] | None = None
+    #: coded as its op reads it, through this ``permute`` (:func:`.graphsite.read_permutation`)
+    permuted: tuple[int, ...] | None = None
 
 
 #: a skeleton's shape that is the saved value's, read at unpack from the shape carrier
 #: (:func:`shape_carrier`): a graph traced with dynamic shapes has symbolic sizes, and those
 #: of the forward are not the backward's
 CARRIED = torch.Size([-1])
+
+
+def inverse_permutation(dims: tuple[int, ...]) -> tuple[int, ...]:
+    inverse = [0] * len(dims)
+    for i, d in enumerate(dims):
+        inverse[d % len(dims)] = i
+    return tuple(inverse)
 
 
 def flatten(packed: Packed, leaves: list[torch.Tensor], carried: bool = False) -> Packed:
@@ -335,6 +344,9 @@ class GraphHooks:
         #: (:func:`~.compressor.recomputed_ops`): the graph recomputes them as the eager engine
         #: does (:mod:`torchstash.graphkeep`)
         self.recomputes: frozenset[str] = frozenset()
+        #: ``(op, reader)``: ``op``'s output saved as ``reader``'s input, not recomputed
+        #: (:func:`~.compressor.declined_readers`)
+        self.declined: frozenset[tuple[str, str]] = frozenset()
 
     # -- around a compiled call ----------------------------------------------------------------
 
@@ -386,8 +398,13 @@ class GraphHooks:
         key = (id(context["_fw_graph"]), node.name)
         site = site_of(node, self.lookup)
         decision = Decision(site)
+        saved = x
+        dims = read_permutation(node)
+        if dims is not None:  # coded as its op reads it, as eagerly
+            x = x.permute(dims)
+            decision.permuted = dims
         compressor, decision.reason = self._choose(x, site, node)
-        out: tuple[torch.Tensor, ...] = (x.detach(),)
+        out: tuple[torch.Tensor, ...] = (saved.detach(),)
         if compressor is not None:
             stream = compressor_stream(compressor)
             try:
@@ -423,7 +440,7 @@ class GraphHooks:
                 else:
                     decision.reason = f"{compressor.name} declined it"
         self._decided[key] = decision
-        self._count(key, x, decision, out)
+        self._count(key, saved, decision, out)
         return out
 
     def unpack(self, packed: tuple[torch.Tensor, ...], context: dict[str, Any]) -> torch.Tensor:
@@ -439,8 +456,12 @@ class GraphHooks:
             else:
                 value = decision.compressor.decompress(record)
         if carrier is not None and decision.order is not None:
-            return with_layout(value, strides_in_order(carrier.shape, decision.order))
-        return with_layout(value, decision.strides)
+            value = with_layout(value, strides_in_order(carrier.shape, decision.order))
+        else:
+            value = with_layout(value, decision.strides)
+        if decision.permuted is not None:
+            value = value.permute(inverse_permutation(decision.permuted))
+        return value
 
     def _choose(
         self, x: torch.Tensor, site: Site, node: torch.fx.Node

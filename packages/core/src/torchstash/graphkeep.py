@@ -289,15 +289,90 @@ def split_relu(graph: torch.fx.Graph, relu: torch.fx.Node) -> tuple[torch.fx.Nod
     return mask, out
 
 
-def keep_exact(graph: torch.fx.Graph, recompute: Collection[str] | bool = True) -> None:
+def declined_outputs(
+    nodes: list[torch.fx.Node], marked: set[torch.fx.Node], declined: Collection[tuple[str, str]]
+) -> set[torch.fx.Node]:
+    """The ``marked`` nodes that end an op's steps and feed a reader which takes that op's
+    output as its own saved input, not as a recomputation (``(op, reader)`` in
+    ``declined``: a SiLU after a BatchNorm keeps its input at its own width)."""
+    if not declined:
+        return set()
+    ending = set()
+    for node in nodes:
+        if node not in marked:
+            continue
+        op = graph_op_names(node)[0]
+        for user in node.users:
+            reader = graph_op_names(user)[0] if user.op == "call_function" else ""
+            if reader != op and (op, reader) in declined:
+                ending.add(node)
+                break
+    return ending
+
+
+#: fused attention kernels: their backward reads their output, so the graph saves it
+_ATTENTION_KERNELS = frozenset(
+    getattr(aten, name).default
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(aten, name)
+)
+
+
+def attention_outputs(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """A fused attention's outputs (``getitem`` 0 of its kernel), saved for its backward: the
+    output projection's layout copy of it is recomputed from it (:func:`carried_copies`),
+    where eager recomputes both from ``q``, ``k``, ``v``."""
+    return {
+        n
+        for n in nodes
+        if n.target is operator.getitem
+        and n.args[1] == 0
+        and isinstance(n.args[0], torch.fx.Node)
+        and n.args[0].target in _ATTENTION_KERNELS
+    }
+
+
+def carried_copies(nodes: list[torch.fx.Node], marked: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """Views and layout copies of ``marked`` values (``nn.MultiheadAttention``'s projection
+    reads a contiguous copy of its transposed input, a LayerNorm's output): recomputed with
+    them, as eager carries a recipe through a layout step; else the partitioner saves the
+    copy, coded as a value eager never stores."""
+    forward = set(nodes)
+    found: set[torch.fx.Node] = set()
+    todo = [u for n in marked for u in n.users]
+    while todo:
+        node = todo.pop()
+        if node in found or node in marked or node not in forward:
+            continue
+        if node.op != "call_function" or node.target not in _OPERAND_STEPS:
+            continue
+        found.add(node)
+        todo.extend(node.users)
+    return found
+
+
+def keep_exact(
+    graph: torch.fx.Graph,
+    recompute: Collection[str] | bool = True,
+    declined: Collection[tuple[str, str]] = (),
+) -> None:
     """Marks the :func:`kept_exactly` values of a joint graph's forward ``MUST_SAVE``, and
     those of the ops in ``recompute`` (True: :data:`RECOMPUTED_OPS`) ``MUST_RECOMPUTE``:
     their :func:`recomputed` steps, with ``matmul`` the :func:`recomputed_attention`; a ReLU
     of a recomputed value (:func:`recomputed_relus`) is split (:func:`split_relu`), its mask
-    saved and its output recomputed."""
+    saved and its output recomputed. An output a reader takes as its own (``declined``:
+    :func:`declined_outputs`) is saved, so the reader's code keeps it."""
     ops = RECOMPUTED_OPS if recompute is True else frozenset(recompute or ())
     nodes = forward_nodes(graph)
     marked = {n for n in nodes if recomputed(n, ops) and not kept_exactly(n)}
+    saved = declined_outputs(nodes, marked, declined)
+    marked -= saved
+    marked |= carried_copies(nodes, marked | attention_outputs(nodes))
     if "matmul" in ops:
         marked |= recomputed_attention(nodes)
     masks: set[torch.fx.Node] = set()
@@ -308,7 +383,7 @@ def keep_exact(graph: torch.fx.Graph, recompute: Collection[str] | bool = True) 
     if masks:
         nodes = forward_nodes(graph)
     for node in nodes:
-        if node in masks or (kept_exactly(node) and node not in marked):
+        if node in masks or node in saved or (kept_exactly(node) and node not in marked):
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
         elif node in marked:
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
@@ -323,26 +398,32 @@ class KeepExact:
     strategy's compressors recompute from their codes (:func:`~torchstash.compressor.recomputed_ops`)."""
 
     def __init__(
-        self, first: JointPass | None = None, recompute: Collection[str] | bool = True
+        self,
+        first: JointPass | None = None,
+        recompute: Collection[str] | bool = True,
+        declined: Collection[tuple[str, str]] = (),
     ) -> None:
         self.first = first
         self.recompute = recompute
+        self.declined = declined
 
     def __call__(self, module: torch.fx.GraphModule, joint_inputs: Any) -> torch.fx.GraphModule:
         if self.first is not None:
             module = self.first(module, joint_inputs)
-        keep_exact(module.graph, self.recompute)
+        keep_exact(module.graph, self.recompute, self.declined)
         return module
 
 
 def with_keep_exact(
-    joint_pass: JointPass | None, recompute: Collection[str] | bool = True
+    joint_pass: JointPass | None,
+    recompute: Collection[str] | bool = True,
+    declined: Collection[tuple[str, str]] = (),
 ) -> KeepExact:
     """``torch._functorch.config.joint_custom_pass`` (None or the user's callable) with
     :func:`keep_exact` after it (once)."""
     if isinstance(joint_pass, KeepExact):
         joint_pass = joint_pass.first
-    return KeepExact(joint_pass, recompute)
+    return KeepExact(joint_pass, recompute, declined)
 
 
 __all__ = [
@@ -350,6 +431,9 @@ __all__ = [
     "eager_recomputes",
     "VIEW_OPS",
     "KeepExact",
+    "attention_outputs",
+    "carried_copies",
+    "declined_outputs",
     "forward_nodes",
     "keep_exact",
     "kept_exactly",

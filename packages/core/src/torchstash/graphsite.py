@@ -152,6 +152,21 @@ def _own_output(node: torch.fx.Node, made_by: torch.fx.Node) -> bool:
     return node is not made_by and node.args[1] != 0
 
 
+def read_permutation(node: torch.fx.Node) -> tuple[int, ...] | None:
+    """The dimensions of the ``permute`` through which the op saving ``node``'s value reads
+    it (timm's ``LayerNorm2d`` normalizes ``x.permute(0, 2, 3, 1)``; eagerly the op saves
+    that view), or None where it reads the value as is."""
+    if _own_output(node, _maker(node)):
+        return None
+    for op, arg in _readers(node):
+        if arg not in [a for a in op.args if isinstance(a, torch.fx.Node)]:
+            continue
+        if arg is not node and _packet(arg) is aten.permute and arg.args[0] is node:
+            return tuple(int(d) for d in arg.args[1])
+        return None
+    return None
+
+
 def relu_output(node: torch.fx.Node) -> bool:
     """Whether ``node``'s value is a ReLU's output (through an in-place ReLU's ``detach``)."""
     made_by = _maker(node)
@@ -215,4 +230,4 @@ def site_of(node: torch.fx.Node, modules: Lookup) -> Site:
     )
 
 
-__all__ = ["module_path", "relu_output", "saver", "site_of"]
+__all__ = ["module_path", "read_permutation", "relu_output", "saver", "site_of"]

@@ -99,21 +99,52 @@ def op_names_of_name(raw: str) -> tuple[str, str]:
     return _CANONICAL.get(raw, raw), raw
 
 
+#: Torch functions dynamo keeps whole (one node of its graph) whose body eager sees as calls
+#: of their own: ``nn.MultiheadAttention``'s. A graph op from one of them is named by its aten
+#: op (:data:`_COMPOSITE_PARTS`), as eager names the inner call.
+COMPOSITE_FUNCS = frozenset({"multi_head_attention_forward"})
+#: aten ops inside a :data:`COMPOSITE_FUNCS` call, by the torch-level call eager sees: its
+#: projections are ``linear`` (a 3-d input's is an ``mm`` and an ``add``), its attention
+#: one ``scaled_dot_product_attention`` kernel
+_COMPOSITE_PARTS = {
+    "mm": "linear",
+    "addmm": "linear",
+    "_scaled_dot_product_flash_attention_for_cpu": "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention": "scaled_dot_product_attention",
+    "_scaled_dot_product_efficient_attention": "scaled_dot_product_attention",
+    "_scaled_dot_product_cudnn_attention": "scaled_dot_product_attention",
+}
+
+
 def graph_op_names(node: Any) -> tuple[str, str]:
     """(canonical op name, raw name) of a traced graph's op (a ``torch.fx.Node``), from the
-    torch-level call it came from (``source_fn_stack``), else its aten op's name."""
+    torch-level call it came from (``source_fn_stack``), else (or inside a
+    :data:`COMPOSITE_FUNCS` call) its aten op's name."""
     stack = node.meta.get("source_fn_stack") or []
     if stack:
         name, fn = stack[-1]
+        name = _NUMBERED.sub("", str(name))
         if callable(fn) and not isinstance(fn, type):
             try:
-                return op_names(fn)
+                name = op_names(fn)[1]
             except Exception:
                 pass
-        return op_names_of_name(_NUMBERED.sub("", str(name)))
+            else:
+                if name not in COMPOSITE_FUNCS:
+                    return op_names(fn)
+        if name in COMPOSITE_FUNCS:
+            return _aten_names(node, _COMPOSITE_PARTS)
+        return op_names_of_name(name)
+    return _aten_names(node)
+
+
+def _aten_names(node: Any, parts: dict[str, str] | None = None) -> tuple[str, str]:
     target = node.target
     packet = getattr(target, "overloadpacket", target)
-    return op_names_of_name(getattr(packet, "__name__", str(packet)).lstrip("_"))
+    raw = getattr(packet, "__name__", str(packet))
+    if parts is not None and raw in parts:
+        return parts[raw], raw
+    return op_names_of_name(raw.lstrip("_"))
 
 
 #: Functions that only view or copy their first argument's values in another layout: replayed

@@ -370,11 +370,23 @@ class OpAware(BaseCompressor):
             return True  # attention's map and output are recomputed under every strategy
         return self.derive and self.variant(x, site) in ("", "norm", "act", "attn")
 
-    def derives_op(self, op: str) -> bool:
-        """Whether a compiled graph recomputes ``op``'s output from its coded input, as
-        :meth:`derivable` lets the eager engine: not a BatchNorm's below 4 bits (the zoo's
-        ResNet under int2, inductor: cosine 0.79-0.81 recomputed, eager 0.82-0.84)."""
-        return not (op == "batch_norm" and getattr(self.values, "bits", 8) < 4)
+    def derives_op(self, op: str, reader: str | None = None) -> bool:
+        """Whether ``op``'s output is recomputed from its coded input (compiled, as
+        :meth:`derivable` lets the eager engine), as ``reader``'s saved input (None: any).
+
+        Not a BatchNorm's below 4 bits (the zoo's ResNet under int2, inductor: cosine
+        0.79-0.81 recomputed, eager 0.82-0.84). Nor a BatchNorm's as a GELU's, SiLU's or
+        hardswish's input where ``act_bits`` is wider than the codec: that input is kept at
+        ``act_bits`` as any activation's (timm's EfficientNet-B0 under int4, whose in-place
+        SiLUs eager kept so: gradient cosine 0.982, recomputed from the 4-bit BatchNorm input
+        0.967)."""
+        bits = getattr(self.values, "bits", 8)
+        if op != "batch_norm":
+            return True
+        if bits < 4:
+            return False
+        wider = self.act_bits is not None and self.group is not None and self.act_bits > bits
+        return not (reader in ACT_OPS and wider)
 
     def derived(self, x: torch.Tensor, site: Site, sources: list[Site]) -> None:
         """A save recomputed from codes stored here: the value codec's budget counts it."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ..casts import cast_of
-from ..compressor import Compressor
+from ..compressor import Compressor, recomputes_into
 from ..derive import (
     DERIVE_OPS,
     FUSED,
@@ -336,6 +336,7 @@ class Recomputation:
                 source is None
                 or source.value is RELEASED
                 or (source.compressor is not compressor and source.compressor is not None)
+                or not recomputes_into(compressor, source.site.op, site.op)
             ):
                 return None
             sources.append((source, shape))
