@@ -235,6 +235,7 @@ def test_a_graph_compiled_for_a_stock_copy_is_never_reused(backend: str, strateg
         eager = [p.grad.clone() for p in model.parameters()]
     stock = _mlp()
     torch.compile(stock, backend=backend)(x).square().sum().backward()
+    want = [p.grad for p in stock.parameters()]
     model = _mlp()
     handle = ts.apply(model, strategy, **_options(strategy))
     with warnings.catch_warnings(record=True) as caught:
@@ -244,7 +245,8 @@ def test_a_graph_compiled_for_a_stock_copy_is_never_reused(backend: str, strateg
     grads = [p.grad for p in model.parameters()]
     if handle.graph is not None:
         assert not caught
-        assert cosine(eager, grads) > 0.9999
+        assert cosine(want, grads) > cosine(want, eager) - 1e-3
+        assert not all(torch.equal(a, b) for a, b in zip(want, grads, strict=True))
     else:
         assert [w.category for w in caught] == [CompileFallbackWarning]
         for ga, gb in zip(eager, grads, strict=True):
@@ -675,11 +677,14 @@ def test_a_dynamic_graph_after_a_graph_break_says_how_it_is_counted() -> None:
 def test_compile_budget_keeps_what_eager_keeps_exact() -> None:
     """Under ``compile_budget`` a ResNet's ReLU outputs and BatchNorm statistics are saved
     (the partitioner would recompute them from coded values): the ReLU outputs are coded with
-    their signs exact, and the gradients stay near eager's."""
+    their signs exact, and the gradients stay as near stock's as eager's."""
     entry = MODELS["resnet"]
     torch.manual_seed(0)
     model = entry.build()
     x, y = entry.batch(8, torch.device("cpu"))
+    model.zero_grad(set_to_none=True)
+    entry.loss(model, x, y).backward()  # type: ignore[arg-type]
+    want = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     with ts.apply(model, "quant.int8", seed=0):
         model.zero_grad(set_to_none=True)
         entry.loss(model, x, y).backward()  # type: ignore[arg-type]
@@ -691,7 +696,7 @@ def test_compile_budget_keeps_what_eager_keeps_exact() -> None:
         got = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         assert handle.graph is not None
         assert any(d.signs for d in handle.graph.decisions), "no ReLU output saved"
-    assert cosine(eager, got) > 0.9999
+    assert cosine(want, got) > cosine(want, eager) - 1e-3
 
 
 def test_keep_exact_joins_the_user_s_own_joint_pass() -> None:

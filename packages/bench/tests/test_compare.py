@@ -308,3 +308,20 @@ def test_the_count_sees_the_compiled_graphs_saves() -> None:
     stock, _ = compare.measure_method(entry, compare_methods.methods([])[0], CPU, 1)
     assert row["error"] is None and grads is not None
     assert 0.3 < row["saved_bytes"] / stock["saved_bytes"] < 0.7
+
+
+def test_a_compiled_strategy_s_row_counts_what_its_graph_saves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``compiled+quant.int8``: the codes run in the graph (the row says so), its saved bytes
+    are the graph's, within 10% of eager ``quant.int8``'s, its gradients as close to stock's."""
+    pytest.importorskip("torchstash_quant")
+    monkeypatch.setattr(compare_methods.CompiledStash, "backend", "aot_eager_decomp_partition")
+    entry = MODELS["gpt"]
+    todo = compare_methods.methods(["quant.int8", "compiled+quant.int8"])
+    stock, eager, compiled = compare.measure_methods(entry, todo, CPU, 1)
+    assert compiled.row["error"] is None and compiled.row["in_graph"] is True, compiled.row
+    assert eager.row["in_graph"] is None and compiled.row["compressed"] > 0
+    assert 0.9 < compiled.row["saved_bytes"] / eager.row["saved_bytes"] < 1.1
+    error = {t.method.name: compare.grad_error(t.grads, stock.grads) for t in (eager, compiled)}
+    assert error["compiled+quant.int8"] < error["quant.int8"] + 1e-3, error

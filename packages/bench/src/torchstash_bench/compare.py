@@ -12,12 +12,16 @@ model built from the same seed:
   already live on the host, so it moves nothing: it saves device memory only on an accelerator;
 - ``compile-budget``: ``torch.compile`` with ``torch._functorch.config.activation_memory_budget``
   (default 0.5): the partitioner recomputes what it must to keep that fraction of activations;
+- ``compiled``: ``torch.compile(model)`` as it comes;
 - each torchstash strategy;
 - ``checkpoint+<strategy>`` (default: ``checkpoint+quant.int8`` where installed): reentrant
   checkpointing around each repeated block, which keeps the blocks' inputs with
   ``save_for_backward``, and the strategy compressing them (and what the recomputed blocks save
   in backward). Non-reentrant checkpointing keeps those inputs out of reach of any saved-tensor
-  hook's code, so the combination needs the reentrant form.
+  hook's code, so the combination needs the reentrant form;
+- ``compiled+<strategy>`` (default: ``compiled+quant.int8`` and ``compiled+quant.int4``): the
+  strategy applied, then ``torch.compile(model)``: its codes run inside the compiled graph
+  (:mod:`torchstash.graphhooks`), and its tally counts what the graph saves.
 
 What "saved" counts, the same way for every method: the bytes held for backward once the
 model's forward has run (the loss's own saves left out, as torchstash's tally leaves them out).
@@ -77,7 +81,16 @@ from .common import (
     plural,
     progress_bar,
 )
-from .compare_methods import BUDGET, COMPILE, SEED, Attached, HeldCounter, Method, methods
+from .compare_methods import (
+    BUDGET,
+    COMPILE,
+    COMPILED,
+    SEED,
+    Attached,
+    HeldCounter,
+    Method,
+    methods,
+)
 from .compare_report import (
     CompareResult,
     compare_notes,
@@ -136,6 +149,8 @@ def _row(entry: ZooEntry, method: Method, device: torch.device) -> dict[str, Any
         "compressed": None,
         "declined": None,
         "rewritten": None,
+        #: a compiled strategy's codes ran in the graph (None: not a compiled strategy)
+        "in_graph": None,
         "error": None,
     }
 
@@ -195,6 +210,7 @@ class Trial:
             compressed=att.info.get("compressed"),
             declined=att.info.get("declined"),
             rewritten=att.info.get("rewritten"),
+            in_graph=att.info.get("in graph"),
         )
 
     def _run(self) -> None:
@@ -434,7 +450,11 @@ def run_compare(
 
 def _measuring_order(todo: Sequence[Method]) -> list[Method]:
     """Stock first (the baseline), compilation last (the slowest to start)."""
-    return sorted(todo, key=lambda m: (m.name != STOCK, m.name == COMPILE))
+    return sorted(todo, key=lambda m: (m.name != STOCK, _compiles(m.name)))
+
+
+def _compiles(name: str) -> bool:
+    return name in (COMPILE, COMPILED) or name.startswith(f"{COMPILED}+")
 
 
 def _relate_demo(run: dict[str, Any], stock: dict[str, Any]) -> None:

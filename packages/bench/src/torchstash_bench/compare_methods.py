@@ -1,7 +1,7 @@
 """The methods ``torchstash bench --compare`` sets side by side, each attached to a fresh model
 the same way: stock, per-block checkpointing (and SAC), ``save_on_cpu``, ``torch.compile``
-with a memory budget, each torchstash strategy and checkpointing with a strategy on the
-blocks' inputs; and the pack-hook counter that counts what every one of them holds for
+(with a memory budget, and without), each torchstash strategy, checkpointing with a strategy
+on the blocks' inputs, and strategies compiled; and the pack-hook counter that counts what every one of them holds for
 backward (see :mod:`.compare`)."""
 
 from __future__ import annotations
@@ -32,10 +32,13 @@ from .common import (
 )
 
 CHECKPOINT, SAC, SAVE_ON_CPU, COMPILE = "checkpoint", "sac", "save_on_cpu", "compile-budget"
-BASELINES = (CHECKPOINT, SAC, SAVE_ON_CPU, COMPILE)
-#: checkpointing with a strategy on the blocks' inputs, run by default where the strategy is
-#: installed (``checkpoint+<any strategy>`` may be named)
-COMBINATIONS = (f"{CHECKPOINT}+quant.int8",)
+#: ``torch.compile(model)`` as it comes (no budget)
+COMPILED = "compiled"
+BASELINES = (CHECKPOINT, SAC, SAVE_ON_CPU, COMPILE, COMPILED)
+#: checkpointing with a strategy on the blocks' inputs, and strategies compiled
+#: (``torch.compile`` of the applied model: their codes in the graph), run by default where
+#: the strategy is installed (``checkpoint+<any strategy>``, ``compiled+<any>`` may be named)
+COMBINATIONS = (f"{CHECKPOINT}+quant.int8", f"{COMPILED}+quant.int8", f"{COMPILED}+quant.int4")
 BUDGET = 0.5
 SEED = 0
 
@@ -238,15 +241,17 @@ class SavedOnCpu(Attached):
 
 class Compiled(Attached):
     """``torch.compile(model)`` with the partitioner's activation memory budget set while
-    the method is attached (it is read when a graph is compiled, at the first step)."""
+    the method is attached (it is read when a graph is compiled, at the first step); None:
+    the default."""
 
-    def __init__(self, model: nn.Module, budget: float) -> None:
+    def __init__(self, model: nn.Module, budget: float | None) -> None:
         super().__init__(model)
         import torch._dynamo
         import torch._functorch.config as functorch_config
 
         self._stack = contextlib.ExitStack()
-        self._stack.enter_context(functorch_config.patch(activation_memory_budget=budget))
+        if budget is not None:
+            self._stack.enter_context(functorch_config.patch(activation_memory_budget=budget))
         torch._dynamo.reset()
         try:
             self.compiled = torch.compile(model)
@@ -292,6 +297,36 @@ class Stashed(Attached):
 
     def close(self) -> None:
         self.handle.remove()
+
+
+class CompiledStash(Stashed):
+    """A torchstash strategy, then ``torch.compile`` of the model: its codes run in the
+    compiled graph where they trace (else eagerly, with one warning); its tally counts what
+    the graph saves."""
+
+    #: the compile's backend (the tests take a quicker one)
+    backend = "inductor"
+
+    def __init__(self, model: nn.Module, spec: str) -> None:
+        super().__init__(model, spec)
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        self.compiled = torch.compile(model, backend=self.backend)
+
+    def call(self, x: Tensor) -> Tensor:
+        return cast(Tensor, self.compiled(x))
+
+    def held(self, counter: HeldCounter) -> tuple[int, int]:
+        held = super().held(counter)
+        self.info["in graph"] = self.handle.graph is not None
+        return held
+
+    def close(self) -> None:
+        import torch._dynamo
+
+        super().close()
+        torch._dynamo.reset()
 
 
 class CheckpointedStash(Attached):
@@ -357,6 +392,14 @@ def methods(
             )
         elif n == COMPILE:
             out.append(Method(n, "torch", False, functools.partial(Compiled, budget=budget)))
+        elif n == COMPILED:
+            out.append(Method(n, "torch", False, functools.partial(Compiled, budget=None)))
+        elif n.startswith(f"{COMPILED}+"):
+            spec = n.partition("+")[2]
+            lossless = lossless_of(spec.partition(":")[0])
+            out.append(
+                Method(n, "torchstash", lossless, functools.partial(CompiledStash, spec=spec))
+            )
         elif n.startswith(f"{CHECKPOINT}+"):
             spec = n.partition("+")[2]
             lossless = lossless_of(spec.partition(":")[0])

@@ -204,6 +204,10 @@ def _enter_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             functorch_config.joint_custom_pass, hooks.recomputes, hooks.declined
         )
     }
+    if hasattr(functorch_config, "saved_tensors_hooks_filtering_mode"):
+        # the hooks see what eager's see: the graph's inputs (the batch) and outputs too,
+        # not only its intermediates ("donated"); never the parameters ("static")
+        told["saved_tensors_hooks_filtering_mode"] = "no_static"
     if hooks.memory_budget is not None:
         told["activation_memory_budget"] = hooks.memory_budget
     stack.enter_context(functorch_config.patch(**told))
