@@ -1,10 +1,10 @@
 """torch.compile with every installed strategy: inside the compiled graph where its codes
-trace (``quant.int8``, ``quant.int4``, ``quant.fp8`` and presets:
-:mod:`torchstash.graphhooks`), else one clear warning quoting why, and an eager fallback.
+trace (``quant.int8``, ``quant.fp8`` and presets: :mod:`torchstash.graphhooks`), else one
+clear warning quoting why, and an eager fallback.
 
 In the graph a strategy codes what the compiled graph saves, with gradients as close to stock's
-as eager's; a strategy that does not run there (int2, whose graphs keep more bytes than
-eager on models outside the zoo, int4 without ``derive``, mesa, ``quant.auto``, ``quant.int1``,
+as eager's; a strategy that does not run there (int4 and int2, whose graphs keep more bytes
+or fall short of eager's gradients on models outside the zoo, mesa, ``quant.auto``, ``quant.int1``,
 the dropping and offloading strategies) runs eagerly under ``torch.compile`` (bit-exact with
 eager, savings intact); rewrite-only ``memsave`` is traced into the graph. ``aot_eager`` runs
 AOTAutograd's capture without code generation, so the suite stays fast; the inductor cases
@@ -601,14 +601,13 @@ def test_compiled_with_a_budget_keeps_eager_s_accuracy(strategy: str, model_name
 
 
 def test_a_strategy_that_stays_eager_says_why() -> None:
-    """``quant.int4`` without ``derive``, ``quant.int2`` and ``quant.int1`` run eagerly under
-    compile: the warning and the ``fullgraph=True`` error quote the reason, and
-    ``compile_budget`` is refused with it (int4 takes it: the budget's partitioner
-    recomputes)."""
+    """``quant.int4``, ``quant.int2`` and ``quant.int1`` run eagerly under compile: the
+    warning and the ``fullgraph=True`` error quote the reason, and ``compile_budget`` is
+    refused with it."""
     entry = MODELS["gpt"]
     x, y = entry.batch(2, torch.device("cpu"))
     for strategy, options, reason in [
-        ("quant.int4", {"derive": False}, "leave derive on"),
+        ("quant.int4", {}, "outside the test zoo"),
         ("quant.int2", {}, "outside the test zoo"),
         ("quant.int1", {}, "at 1 bit"),
     ]:
@@ -626,9 +625,8 @@ def test_a_strategy_that_stays_eager_says_why() -> None:
             with pytest.raises(Exception, match=reason):
                 run = torch.compile(model, backend="aot_eager", fullgraph=True)
                 entry.loss(run, x, y)  # type: ignore[arg-type]
-        if strategy != "quant.int4":
-            with pytest.raises(ApplyError, match=reason):
-                ts.apply(entry.build(), strategy, compile_budget=0.5)
+        with pytest.raises(ApplyError, match=reason):
+            ts.apply(entry.build(), strategy, compile_budget=0.5)
 
 
 def test_an_empty_save_is_kept_with_min_bytes_zero() -> None:

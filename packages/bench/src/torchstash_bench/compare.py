@@ -19,9 +19,10 @@ model built from the same seed:
   ``save_for_backward``, and the strategy compressing them (and what the recomputed blocks save
   in backward). Non-reentrant checkpointing keeps those inputs out of reach of any saved-tensor
   hook's code, so the combination needs the reentrant form;
-- ``compiled+<strategy>`` (default: ``compiled+quant.int8`` and ``compiled+quant.int4``): the
-  strategy applied, then ``torch.compile(model)``: its codes run inside the compiled graph
-  (:mod:`torchstash.graphhooks`), and its tally counts what the graph saves.
+- ``compiled+<strategy>`` (default: ``compiled+quant.int8``): the strategy applied, then
+  ``torch.compile(model)``: its codes run inside the compiled graph where they trace
+  (:mod:`torchstash.graphhooks`; the row's ``in_graph``), and its tally counts what the graph
+  saves; a strategy that runs eagerly under compile (one warning) runs so here too.
 
 What "saved" counts, the same way for every method: the bytes held for backward once the
 model's forward has run (the loss's own saves left out, as torchstash's tally leaves them out).

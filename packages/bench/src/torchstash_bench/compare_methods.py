@@ -38,7 +38,7 @@ BASELINES = (CHECKPOINT, SAC, SAVE_ON_CPU, COMPILE, COMPILED)
 #: checkpointing with a strategy on the blocks' inputs, and strategies compiled
 #: (``torch.compile`` of the applied model: their codes in the graph), run by default where
 #: the strategy is installed (``checkpoint+<any strategy>``, ``compiled+<any>`` may be named)
-COMBINATIONS = (f"{CHECKPOINT}+quant.int8", f"{COMPILED}+quant.int8", f"{COMPILED}+quant.int4")
+COMBINATIONS = (f"{CHECKPOINT}+quant.int8", f"{COMPILED}+quant.int8")
 BUDGET = 0.5
 SEED = 0
 

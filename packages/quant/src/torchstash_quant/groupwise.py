@@ -127,35 +127,29 @@ class GroupQuantizer(BaseCompressor):
 
     def graph_refusal(self, recomputes: bool) -> str | None:
         """Why a compiled graph does not run its codes (None where it does, see
-        :mod:`torchstash.graphhooks`); ``recomputes``: the graph recomputes what the eager
-        engine recomputes (the strategy derives outputs, or has a ``compile_budget``). At 8
-        bits it always runs them. At 4 bits the gradients stay near stock's only where
-        LayerNorm and GELU outputs come back from their coded inputs, as eagerly (coded at 4
-        bits themselves, the zoo's GPT came to cosine 0.990 compiled against 0.9998 eager),
-        and where the graph names and keeps what eager does outside the zoo too (a SiLU's
-        input after a BatchNorm at ``act_bits``, ``nn.MultiheadAttention``'s parts:
-        ``aot_eager_decomp_partition``, eager in brackets: timm EfficientNet-B0 0.9845
-        (0.9820), torchvision MobileNetV3-small 0.9963 (0.9954), ViT-B/16 0.9978 (0.9941);
-        ``docs/compile.md``). At 2 bits models outside the zoo keep more bytes compiled than
-        eagerly (Hugging Face BERT and ViT, timm DeiT: 1.12-1.13x). At 1 bit the code reads on
-        the host whether a group holds NaN or Inf (see :meth:`encode`)."""
-        if self.bits == 8 or (self.bits == 4 and recomputes):
+        :mod:`torchstash.graphhooks`). At 8 bits it always runs them. Below, the zoo comes to
+        eager's accuracy once the graph recomputes what eager recomputes, and so do most
+        models outside it at 4 bits since the graph names and keeps what eager does (a
+        SiLU's input after a BatchNorm at ``act_bits``, ``nn.MultiheadAttention``'s parts, a
+        value through the ``permute`` its op reads it by: ``aot_eager_decomp_partition``,
+        eager in brackets, MobileNetV3-small 0.9963 (0.9954), ViT-B/16 0.9978 (0.9941)).
+        Not all: a fused attention's output is coded beside its operands where eager
+        recomputes it (Hugging Face BERT and ViT, timm DeiT: 1.11-1.15x eager's bytes), and
+        timm's EfficientNet-B0 comes to 0.9797 (0.9820) once the graph codes its batch as
+        eager does (``docs/compile.md``). So int4 and int2 run eagerly. At 1 bit the code
+        also reads on the host whether a group holds NaN or Inf."""
+        if self.bits == 8:
             return None
-        if self.bits == 4:
+        if self.bits in (4, 2):
             return (
-                "at 4 bits a compiled graph keeps eager's accuracy only where it recomputes "
-                "LayerNorm and GELU outputs from their coded inputs: leave derive on (the "
-                "default), or apply(model, ..., compile_budget=0.5)"
-            )
-        if self.bits == 2:
-            return (
-                "at 2 bits a compiled graph keeps more bytes than eager on models outside the "
-                "test zoo (Hugging Face BERT and ViT, timm DeiT: docs/compile.md), so it runs "
-                "eagerly; quant.int8, quant.int4 and quant.fp8 run in the graph"
+                f"at {self.bits} bits a compiled graph keeps more bytes than eager or falls "
+                "short of its gradients on models outside the test zoo (Hugging Face BERT, "
+                "timm DeiT and EfficientNet-B0: docs/compile.md), so it runs eagerly; "
+                "quant.int8 and quant.fp8 run in the graph"
             )
         return (
             "at 1 bit the code reads on the host whether a group holds NaN or Inf, which a "
-            "compiled graph cannot; quant.int8, quant.int4 and quant.fp8 run in the graph"
+            "compiled graph cannot; quant.int8 and quant.fp8 run in the graph"
         )
 
     def decompress(self, packed: Packed) -> torch.Tensor:
