@@ -1,7 +1,7 @@
 """``quant.int8`` and ``quant.fp8`` inside torch.compile's graph on the models users bring
 (Hugging Face, timm and torchvision, built from configs): the compiled step codes what the
 graph saves, with gradients as close to stock's as the eager strategy's (with the
-partitioner's recomputation, in at most 1.1x eager's bytes). Dropout is set to 0: a compiled graph
+partitioner's recomputation, in at most 1.15x eager's bytes). Dropout is set to 0: a compiled graph
 draws its masks otherwise than eager code, which would hide what the codes change."""
 
 from __future__ import annotations
@@ -72,7 +72,9 @@ def test_compiled_strategy_is_as_close_to_stock_as_eager(
         whole_compiled, _ = closeness(want, compiled_grads)
         assert whole_compiled > whole_eager - 0.001, (whole_compiled, whole_eager)
         if backend == "aot_eager_decomp_partition":  # recomputes what eager recomputes
+            # but a fused attention's output, which the graph saves (coded) where eager
+            # replays the kernel: BERT, DeiT and the HF ViT at 1.10-1.13x (docs/compile.md)
             ratio = handle.tally.stored_bytes / eager_bytes
-            assert ratio <= 1.1, ratio
+            assert ratio <= 1.15, ratio
     finally:
         handle.remove()
