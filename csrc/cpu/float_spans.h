@@ -54,15 +54,13 @@ inline void store_floats(void* out, groupquant::FloatKind kind, index_t first, i
 
 // Uniforms of elements [first, first + count) (count <= kSpan; buf holds kUniforms): returns
 // p with p[k] the uniform of element first + k (philox_uniform(n, seed, 0)). Philox blocks
-// advance kPhiloxLanes at a time (structure of arrays, as in philox_cpu.cpp); the few blocks
+// advance kPhiloxLanes at a time (philox_lanes.h's philox_blocks); the few blocks
 // computed past the end are ignored. GCC vectorizes across 16 such steps, so it pays off from
 // about 128 blocks: hence spans.
 [[maybe_unused]] TS_CPU_CLONES const float* fill_uniforms(float* buf, index_t first, index_t count, std::uint64_t seed) {
   const index_t b_lo = first >> 2;
   const index_t b_hi = (first + count + 3) >> 2;
-  for (index_t b0 = b_lo; b0 < b_hi; b0 += kPhiloxLanes) {
-    philox_lanes(buf + (b0 - b_lo) * 4, static_cast<std::uint64_t>(b0), seed, 0);  // offset 0
-  }
+  philox_blocks(buf, static_cast<std::uint64_t>(b_lo), ceil_div(b_hi - b_lo, kPhiloxLanes), seed, 0);  // offset 0
   return buf + (first & 3);
 }
 

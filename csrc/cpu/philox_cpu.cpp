@@ -1,7 +1,7 @@
 // OpenMP loop over the inline philox.h functions: one task per range of 4-word blocks.
 //
 // Within a task, kLanes blocks advance through the rounds together (structure of
-// arrays), so the compiler vectorizes the 32x32->64-bit products across blocks.
+// arrays; philox_lanes.h's philox_blocks), so the 32x32->64-bit products are vectorized.
 #include <algorithm>
 
 #include "clones.h"
@@ -28,8 +28,10 @@ TS_CPU_CLONES void philox_range(float* out, index_t n, index_t lo, index_t hi, s
                                 std::uint64_t offset) {
   const index_t full_hi = std::min(hi, n / 4);  // blocks whose 4 elements are all wanted
   index_t b0 = lo;
-  for (; b0 + kLanes <= full_hi; b0 += kLanes) {
-    philox_lanes(out + b0 * 4, static_cast<std::uint64_t>(b0), seed, offset);
+  if (full_hi > lo) {
+    const index_t groups = (full_hi - lo) / kLanes;
+    philox_blocks(out + b0 * 4, static_cast<std::uint64_t>(b0), groups, seed, offset);
+    b0 += groups * kLanes;
   }
   for (; b0 < hi; ++b0) store_block(out, n, b0, philox::block_words(seed, offset, static_cast<std::uint64_t>(b0)));
 }

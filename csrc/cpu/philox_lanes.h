@@ -1,12 +1,22 @@
 // kPhiloxLanes consecutive Philox blocks advanced through the rounds together (structure of
 // arrays), so the compiler vectorizes the 32x32->64-bit products across blocks. Shared by
-// philox_cpu.cpp and groupquant_cpu.cpp; always inlined, so each TS_CPU_CLONES caller gets
-// it compiled for its own instruction set.
+// philox_cpu.cpp and the quantization spans (float_spans.h); always inlined, so each
+// TS_CPU_CLONES caller gets it compiled for its own instruction set. philox_blocks picks
+// philox_avx2.cpp's intrinsics instead where the leaf loops run 8 lanes wide (AVX2 without
+// AVX-512, simd.h's lanes()): GCC's own AVX2 code for these products was the slowest of all.
 #pragma once
 
 #include <cstdint>
 
+#include "simd.h"
+#include "torchstash/common.h"
 #include "torchstash/philox.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
+#define TS_PHILOX_AVX2 1
+#else
+#define TS_PHILOX_AVX2 0
+#endif
 
 namespace torchstash {
 namespace cpu {
@@ -44,6 +54,31 @@ __attribute__((always_inline)) inline void philox_lanes(float* out, std::uint64_
     out[4 * l + 1] = philox::to_uniform(c1[l]);
     out[4 * l + 2] = philox::to_uniform(c2[l]);
     out[4 * l + 3] = philox::to_uniform(c3[l]);
+  }
+}
+
+#if TS_PHILOX_AVX2
+// out[0, 32 * groups) <- the uniforms of blocks b0 .. b0 + 8 * groups - 1 (philox_avx2.cpp).
+void philox_blocks_avx2(float* out, std::uint64_t b0, index_t groups, std::uint64_t seed, std::uint64_t offset);
+
+inline bool philox_avx2() {
+  static const bool found = lanes() == 8 && __builtin_cpu_supports("avx2");
+  return found;
+}
+#endif
+
+// out[0, 4 * kPhiloxLanes * groups) <- the uniforms of kPhiloxLanes * groups blocks from b0.
+__attribute__((always_inline)) inline void philox_blocks(float* out, std::uint64_t b0, index_t groups,
+                                                         std::uint64_t seed, std::uint64_t offset) {
+  static_assert(kPhiloxLanes == 8, "philox_avx2.cpp advances blocks 8 at a time");
+#if TS_PHILOX_AVX2
+  if (philox_avx2()) {
+    philox_blocks_avx2(out, b0, groups, seed, offset);
+    return;
+  }
+#endif
+  for (index_t g = 0; g < groups; ++g) {
+    philox_lanes(out + g * 4 * kPhiloxLanes, b0 + static_cast<std::uint64_t>(g) * kPhiloxLanes, seed, offset);
   }
 }
 

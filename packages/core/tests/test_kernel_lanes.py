@@ -70,6 +70,10 @@ SCRIPT = textwrap.dedent(
         cases["channel_quantize"] = lambda impl: K.channel_quantize(
             clean.view(1, n), lo, step, n, seed=2, impl=impl
         )
+        cases["philox_uniform"] = lambda impl: K.philox_uniform(n, 0xFEDCBA9876543210, 7, impl=impl)
+        cases["level_quantize"] = lambda impl: K.level_quantize(
+            clean, torch.tensor([-1.0, 0.0, 0.5, 2.0]), 4, seed=4, impl=impl
+        )
         packed = K.sign_pack(x, impl="ref")
         cases["sign_select"] = lambda impl: K.sign_select(x, packed, impl=impl)
         cases["sign_unpack"] = lambda impl: K.sign_unpack(packed, n, torch.float32, impl=impl)
