@@ -784,3 +784,58 @@ def test_a_value_its_op_reads_permuted_is_coded_as_it_reads_it() -> None:
         assert coded.permuted == (0, 2, 3, 1)
         assert handle.tally.rows["1"].stored_bytes == eager_bytes
     assert cosine(want, compiled) >= cosine(want, eager) - 1e-3
+
+
+class _TakesState(torch.nn.Module):
+    """A block whose forward is handed trainable state: another layer's weight (a
+    Parameter) and a trainable leaf that is not one (a learned scale kept outside a module,
+    an input whose gradient is wanted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(torch.nn.functional.gelu(self.a(x)), w) * scale
+
+
+def _coded(handle: ts.Handle) -> list[tuple[str, str, str]]:
+    assert handle.graph is not None
+    return sorted(
+        (d.site.module, d.site.op, d.site.role) for d in handle.graph.decisions if d.compressor
+    )
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_parameter_s_autocast_copy_is_kept_as_eager_keeps_it(frozen: bool) -> None:
+    """Under bf16 autocast a Linear saves its weight's bf16 copy (transposed) for the input's
+    gradient. Eager keeps a parameter's copy as it is (``engine/params.py``); the graph had
+    coded it at 8 bits, every input gradient then computed with a rounded weight."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    model[2].requires_grad_(not frozen)
+    x = torch.randn(8, 64)
+    with ts.apply(model, "quant.int8", seed=0, min_bytes=0) as handle:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+        y.float().square().sum().backward()
+        assert _coded(handle) == [("0", "linear", "input"), ("1", "gelu", "input")]
+
+
+def test_trainable_state_passed_as_an_argument_is_kept_as_eager_keeps_it() -> None:
+    """A Parameter and a trainable leaf handed to a compiled forward: ``no_static`` hooks
+    every graph input but the static ones, so the graph had coded the trainable leaf (the
+    product's second operand), which eager keeps as it is."""
+    torch.manual_seed(0)
+    model, other = _TakesState(), torch.nn.Linear(64, 64)
+    scale = torch.randn(8, 64, requires_grad=True)
+    x = torch.randn(8, 64)
+    with ts.apply(model, "quant.int8", seed=0, min_bytes=0) as handle:
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        compiled(x, other.weight, scale).square().sum().backward()
+        assert _coded(handle) == [
+            ("", "gelu", "input"),
+            ("", "mul", "input"),
+            ("a", "linear", "input"),
+        ]
+    assert scale.grad is not None and other.weight.grad is not None

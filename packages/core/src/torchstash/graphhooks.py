@@ -38,7 +38,7 @@ from .engine.tally import Tally
 from .engine.totals import Totals
 from .errors import CompileFallbackWarning
 from .graphkeep import eager_recomputes, statistic, view_base
-from .graphsite import read_permutation, relu_output, site_of
+from .graphsite import read_permutation, relu_output, site_of, trainable_state
 from .kernels import kernels_in_graph
 from .layout import dense_order, dense_strides, strides_in_order, with_layout
 from .packed import Allocation, Packed, allocation, raw_nbytes
@@ -395,6 +395,8 @@ class GraphHooks:
 
     def pack(self, x: torch.Tensor, context: dict[str, Any]) -> tuple[torch.Tensor, ...]:
         node = context["_node"]
+        if trainable_state(node, context["_fw_graph"]):
+            return (x.detach(),)  # as eager keeps it: as is, outside the count
         key = (id(context["_fw_graph"]), node.name)
         site = site_of(node, self.lookup)
         decision = Decision(site)

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import operator
 import re
+import sys
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -94,6 +96,13 @@ _NO_SAVE = frozenset(
 #: aten position -> the role eager names (``F.linear(input, weight, bias)`` is
 #: ``addmm(bias, input, weight.t())``)
 _ROLES: dict[Any, dict[int, str]] = {aten.addmm: {0: "arg2", 1: "input", 2: "arg1"}}
+
+#: what stands between trainable state and the copy of it an op saves (autocast's cast to
+#: bf16, the transpose a linear reads)
+_COPIES = _VIEWS | frozenset({aten._to_copy, torch.ops.prims.convert_element_type})
+
+#: the AOTAutograd function that traces the saved-tensor hooks into the graphs
+_HOOK_TRACER = "maybe_inline_graph_saved_tensors_hooks"
 
 _INDEX = re.compile(r"\[(?:'([^']*)'|(\d+))\]")
 
@@ -209,6 +218,41 @@ def module_path(key: str) -> str:
 Lookup = Callable[[str], "tuple[torch.nn.Module, ModuleInfo] | None"]
 
 
+def trainable_state(node: torch.fx.Node, fw_graph: torch.fx.Graph) -> bool:
+    """Whether a saved value is trainable state or a copy of it, which the eager engine keeps
+    as it is and outside the count (``engine/params.py``): a forward graph input, or made from
+    one by views and casts only (autocast's bf16 copy of a weight, transposed for its matmul),
+    where that input requires grad (a parameter, or a trainable leaf passed as an argument) or
+    is a static input (a module's parameters and buffers, frozen ones too). The graph's hooks
+    see the copies and the trainable leaves (``no_static`` leaves out only the static inputs
+    themselves): int8 had coded a Linear's bf16 weight under autocast."""
+    base = node
+    while base.op == "call_function" and _packet(base) in _COPIES and base.args:
+        source = base.args[0]
+        if not isinstance(source, torch.fx.Node):
+            return False
+        base = source
+    if base.op != "placeholder":
+        return False
+    meta = base.meta.get("tensor_meta")
+    if meta is not None and meta.requires_grad:
+        return True
+    return base.name in _static_inputs(fw_graph)
+
+
+def _static_inputs(fw_graph: torch.fx.Graph) -> set[str]:
+    """The forward graph's static inputs by name, as AOTAutograd's ``no_static`` filter
+    finds them. It tells the hooks nothing of them (their context is the graphs and the
+    node), so they are read from the function tracing the hooks, which holds their indices
+    among the graph's placeholders (``static_input_indices``); none where it is not found."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != _HOOK_TRACER:
+        frame = frame.f_back
+    indices = frame.f_locals.get("static_input_indices") if frame is not None else None
+    inputs = fw_graph.find_nodes(op="placeholder")
+    return {inputs[i].name for i in indices or () if i < len(inputs)}
+
+
 def site_of(node: torch.fx.Node, modules: Lookup) -> Site:
     """The :class:`Site` of the value ``node`` computes, as the eager engine would name it
     (no op call: a graph has none to hand over)."""
@@ -230,4 +274,11 @@ def site_of(node: torch.fx.Node, modules: Lookup) -> Site:
     )
 
 
-__all__ = ["module_path", "read_permutation", "relu_output", "saver", "site_of"]
+__all__ = [
+    "module_path",
+    "read_permutation",
+    "relu_output",
+    "saver",
+    "site_of",
+    "trainable_state",
+]
