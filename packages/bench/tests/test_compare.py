@@ -325,3 +325,21 @@ def test_a_compiled_strategy_s_row_counts_what_its_graph_saves(
     assert 0.9 < compiled.row["saved_bytes"] / eager.row["saved_bytes"] < 1.1
     error = {t.method.name: compare.grad_error(t.grads, stock.grads) for t in (eager, compiled)}
     assert error["compiled+quant.int8"] < error["quant.int8"] + 1e-3, error
+
+
+def test_a_compile_budget_leaves_the_other_compiled_rows_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The methods of a model are attached side by side; ``compile-budget``'s budget is set
+    around its own calls only. Held while it was attached, it had compiled the
+    ``compiled+quant.int8`` graph with the budget too (half of eager int8's bytes)."""
+    pytest.importorskip("torchstash_quant")
+    quick = "aot_eager_decomp_partition"  # the min-cut partitioner, which reads the budget
+    monkeypatch.setattr(compare_methods.CompiledStash, "backend", quick)
+    monkeypatch.setattr(compare_methods.Compiled, "backend", quick)
+    entry = MODELS["gpt"]
+    todo = compare_methods.methods(["quant.int8", COMPILE, "compiled+quant.int8"])
+    stock, eager, budget, compiled = compare.measure_methods(entry, todo, CPU, 1)
+    assert budget.row["error"] is None and compiled.row["error"] is None
+    assert 0.3 < budget.row["saved_bytes"] / stock.row["saved_bytes"] < 0.7
+    assert 0.9 < compiled.row["saved_bytes"] / eager.row["saved_bytes"] < 1.1
