@@ -839,3 +839,27 @@ def test_trainable_state_passed_as_an_argument_is_kept_as_eager_keeps_it() -> No
             ("a", "linear", "input"),
         ]
     assert scale.grad is not None and other.weight.grad is not None
+
+
+def test_a_torch_that_hides_the_static_inputs_is_said_not_silent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Which inputs are static is read from the function tracing the hooks; where a torch
+    traces them elsewhere, a frozen parameter's copy would be coded: one warning says so."""
+    from torchstash import graphsite
+
+    monkeypatch.setattr(graphsite, "_HOOK_TRACER", "no_such_function")
+    monkeypatch.setattr(graphsite, "_UNSEEN", [])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    model[2].requires_grad_(False)
+    with (
+        ts.apply(model, "quant.int8", seed=0, min_bytes=0),
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always", CompileFallbackWarning)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = torch.compile(model, backend="aot_eager", fullgraph=True)(torch.randn(8, 64))
+        y.float().square().sum().backward()
+    said = [str(w.message) for w in caught if issubclass(w.category, CompileFallbackWarning)]
+    assert sum("frozen parameter's copy" in m for m in said) == 1, said

@@ -15,6 +15,7 @@ from __future__ import annotations
 import operator
 import re
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -23,6 +24,7 @@ import torch
 import torch.fx
 
 from .engine.scope import NO_MODULE, ModuleInfo
+from .errors import CompileFallbackWarning
 from .opnames import graph_op_names
 from .site import Site
 
@@ -103,6 +105,9 @@ _COPIES = _VIEWS | frozenset({aten._to_copy, torch.ops.prims.convert_element_typ
 
 #: the AOTAutograd function that traces the saved-tensor hooks into the graphs
 _HOOK_TRACER = "maybe_inline_graph_saved_tensors_hooks"
+
+#: one warning a process where the tracer was not found
+_UNSEEN: list[bool] = []
 
 _INDEX = re.compile(r"\[(?:'([^']*)'|(\d+))\]")
 
@@ -249,6 +254,17 @@ def _static_inputs(fw_graph: torch.fx.Graph) -> set[str]:
     while frame is not None and frame.f_code.co_name != _HOOK_TRACER:
         frame = frame.f_back
     indices = frame.f_locals.get("static_input_indices") if frame is not None else None
+    if indices is None and not _UNSEEN:
+        _UNSEEN.append(True)
+        warnings.warn(
+            f"torchstash: this torch's AOTAutograd traces the saved-tensor hooks outside "
+            f"{_HOOK_TRACER}(static_input_indices=...), so the compiled graph cannot tell a "
+            "frozen parameter's copy (autocast's bf16 weight) from an activation and codes it, "
+            "where the eager engine keeps it exact. Apply the strategy without compiling, or "
+            "use a torch where this is known to work (2.13, 2.14).",
+            CompileFallbackWarning,
+            stacklevel=2,
+        )
     inputs = fw_graph.find_nodes(op="placeholder")
     return {inputs[i].name for i in indices or () if i < len(inputs)}
 
