@@ -138,7 +138,7 @@ __attribute__((always_inline)) inline ByteV<N> select_codes(const FloatV<N>& v, 
                            : (xb >> 31) != 0u     ? UintV<N>{} + channelquant::kNegInf
                                                   : UintV<N>{} + channelquant::kPosInf;
   const UintV<N> out = (xb & 0x7F800000u) != 0x7F800000u ? code : special;
-  return __builtin_convertvector(out, ByteV<N>);
+  return low_bytes<N>(out);
 }
 
 // c[k] <- the code of x[k] in one channel (scalar lo, step).

@@ -86,7 +86,7 @@ TS_CPU_CLONES void finite_codes(const float* x, index_t count, float scale, std:
       const U big = a > 0x7F800000u ? U{} + 0x7Fu : U{} + 0x7Eu;
       U r = a >= max_bits ? big : (a < (UINT32_C(121) << 23) ? small : normal);
       r = (r & 0xFFu) | (sign >> 24);
-      const ByteV<N> b = __builtin_convertvector(r, ByteV<N>);
+      const ByteV<N> b = low_bytes<N>(r);
       std::memcpy(c + k, &b, sizeof(b));
     }
     return k;

@@ -122,7 +122,7 @@ __attribute__((always_inline)) inline void ordinary_codes(const float* x, const 
     FloatV<N> w = (v - lo) / step + r;
     w = w >= 0.0f ? w : 0.0f;  // a NaN fails the compare: 0
     w = w < top ? w : top;
-    const ByteV<N> b = __builtin_convertvector(__builtin_convertvector(w, IntV<N>), ByteV<N>);
+    const ByteV<N> b = low_bytes<N>(__builtin_convertvector(w, IntV<N>));
     std::memcpy(c + k, &b, sizeof(b));
   }
   for (; k < count; ++k) c[k] = groupquant::finite_code(x[k], lo, step, top, u[k]);

@@ -18,37 +18,47 @@ namespace {
 using rowcenter::kSumLanes;
 static_assert(kSpan % kSumLanes == 0, "spans must keep elements in their lanes");
 
-typedef double RowD8 __attribute__((vector_size(64)));
-typedef float RowF8 __attribute__((vector_size(32)));
-typedef std::int32_t RowI8 __attribute__((vector_size(32)));
+typedef double RowD4 __attribute__((vector_size(32)));
+typedef float RowF4 __attribute__((vector_size(16)));
+typedef std::int32_t RowI4 __attribute__((vector_size(16)));
+
+// acc += x[0, 4) (times `scale` first, rounded to float32, when `scaled`) as doubles; diff
+// marks the lanes not equal to `first`.
+__attribute__((always_inline)) inline void sum_four(const float* x, bool scaled, float scale, float first,
+                                                    RowD4& acc, RowI4& diff) {
+  RowF4 a;
+  std::memcpy(&a, x, sizeof(a));
+  diff |= a != first;
+  if (scaled) a = a * scale;
+  acc += __builtin_convertvector(a, RowD4);
+}
 
 // lanes[l] += x[k] (times `scale` first, rounded to float32, when `scaled`) for
 // k = l, l + 16, ... in order, over x[0, count) (x[0] in lane 0); returns whether every
-// x[k] equals `first`. The 16 floats of a step are taken as two 8-float halves: a 16-float
-// compare ran lane by lane on AVX2 (simd.h), an 8-float one is a register there.
+// x[k] equals `first`. The 16 lanes are four named vectors of 4 doubles, each from 4
+// floats: registers on AVX2 and AVX-512 (8-double vectors, and an array of vectors, went
+// through the stack on AVX2: 1 ns an element).
 __attribute__((always_inline)) inline bool sum_lanes(const float* x, index_t count, bool scaled, float scale,
                                                      float first, double* lanes) {
-  RowD8 lo, hi;
-  std::memcpy(&lo, lanes, sizeof(lo));
-  std::memcpy(&hi, lanes + 8, sizeof(hi));
-  RowI8 diff = {};
+  RowD4 a0, a1, a2, a3;
+  std::memcpy(&a0, lanes, sizeof(a0));
+  std::memcpy(&a1, lanes + 4, sizeof(a1));
+  std::memcpy(&a2, lanes + 8, sizeof(a2));
+  std::memcpy(&a3, lanes + 12, sizeof(a3));
+  RowI4 diff = {};
   index_t k = 0;
   for (; k + kSumLanes <= count; k += kSumLanes) {
-    RowF8 a, b;
-    std::memcpy(&a, x + k, sizeof(a));
-    std::memcpy(&b, x + k + 8, sizeof(b));
-    diff |= (a != first) | (b != first);
-    if (scaled) {
-      a = a * scale;
-      b = b * scale;
-    }
-    lo += __builtin_convertvector(a, RowD8);
-    hi += __builtin_convertvector(b, RowD8);
+    sum_four(x + k, scaled, scale, first, a0, diff);
+    sum_four(x + k + 4, scaled, scale, first, a1, diff);
+    sum_four(x + k + 8, scaled, scale, first, a2, diff);
+    sum_four(x + k + 12, scaled, scale, first, a3, diff);
   }
-  std::memcpy(lanes, &lo, sizeof(lo));
-  std::memcpy(lanes + 8, &hi, sizeof(hi));
+  std::memcpy(lanes, &a0, sizeof(a0));
+  std::memcpy(lanes + 4, &a1, sizeof(a1));
+  std::memcpy(lanes + 8, &a2, sizeof(a2));
+  std::memcpy(lanes + 12, &a3, sizeof(a3));
   bool same = true;
-  for (int l = 0; l < 8; ++l) same = same && diff[l] == 0;
+  for (int l = 0; l < 4; ++l) same = same && diff[l] == 0;
   for (int l = 0; k + l < count; ++l) {
     const float v = x[k + l];
     same = same && v == first;

@@ -26,6 +26,30 @@ template <int N>
 using IntV = typename VecOf<std::int32_t, N>::type;
 template <int N>
 using ByteV = typename VecOf<std::uint8_t, N>::type;
+template <int N>
+using DoubleV = typename VecOf<double, N>::type;
+
+// Each 32-bit lane's low byte, as __builtin_convertvector(v, ByteV<N>) truncates. GCC lowers
+// that conversion lane by lane where the clone has no narrowing store (AVX2: 8 extracts,
+// shifts and ors per 8 codes, half of a channel code's time); a byte shuffle of the same
+// vector is a vpshufb and a permute there. At 16 lanes (AVX-512's vpmovdb) and where the
+// shuffle builtin is missing, the conversion itself.
+template <int N, class V>
+__attribute__((always_inline)) inline ByteV<N> low_bytes(V v) {
+  static_assert(sizeof(V) == 4 * N, "lanes of 32 bits");
+#if defined(__has_builtin) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#if __has_builtin(__builtin_shufflevector)
+  if constexpr (N == 8) {
+    const ByteV<32> b = (ByteV<32>)v;
+    return __builtin_shufflevector(b, b, 0, 4, 8, 12, 16, 20, 24, 28);
+  } else if constexpr (N == 4) {
+    const ByteV<16> b = (ByteV<16>)v;
+    return __builtin_shufflevector(b, b, 0, 4, 8, 12);
+  }
+#endif
+#endif
+  return __builtin_convertvector(v, ByteV<N>);
+}
 
 // 16 where the CPU has AVX-512 (the x86-64-v4 clone runs), 8 with AVX2, 4 below; 16 off x86
 // (GCC splits a vector into the target's registers, with no lane-wise fallback on NEON).

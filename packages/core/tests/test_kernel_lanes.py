@@ -42,6 +42,11 @@ SCRIPT = textwrap.dedent(
         clean = torch.nan_to_num(x, nan=0.0, posinf=1.0, neginf=-1.0)
         run = 33
         rows = torch.randn(n // run * run + run) * 2
+        if rows.numel() > 4 * run:
+            rows[run : 2 * run] = 0.5  # a constant row
+            rows[3 * run + 4] = float("nan")
+            rows[-2] = float("inf")
+            rows[-run - 3] = 1e-40
         cases = {
             "group_quantize": lambda impl: K.group_quantize(
                 x, 4, 64, seed=3, stochastic=True, impl=impl
@@ -66,9 +71,23 @@ SCRIPT = textwrap.dedent(
         cases["fp8_dequantize"] = lambda impl: K.fp8_dequantize(
             codes, scale, 32, codes.numel(), torch.float32, impl=impl
         )
+        centered, offsets, constant, scales = K.row_center(rows, run, scale=True, impl="ref")
+        cases["row_uncenter"] = lambda impl: K.row_uncenter(
+            centered.reshape(-1), offsets, constant, scales, run, torch.float32, impl=impl
+        )
+        cases["row_uncenter unscaled"] = lambda impl: K.row_uncenter(
+            centered.reshape(-1), offsets, constant, None, run, torch.float32, impl=impl
+        )
         lo, step = torch.full((1,), -2.0), torch.full((1,), 0.03)
         cases["channel_quantize"] = lambda impl: K.channel_quantize(
             clean.view(1, n), lo, step, n, seed=2, impl=impl
+        )
+        cases["channel_quantize special"] = lambda impl: K.channel_quantize(
+            x.view(1, n), lo, step, n, seed=0, stochastic=False, impl=impl
+        )
+        chan = K.channel_quantize(x.view(1, n), lo, step, n, seed=0, stochastic=False, impl="ref")
+        cases["channel_dequantize"] = lambda impl: K.channel_dequantize(
+            chan, lo, step, n, torch.float32, impl=impl
         )
         cases["philox_uniform"] = lambda impl: K.philox_uniform(n, 0xFEDCBA9876543210, 7, impl=impl)
         cases["level_quantize"] = lambda impl: K.level_quantize(
