@@ -107,9 +107,7 @@ TS_CPU_CLONES void finite_values(const std::uint8_t* c, index_t count, float mag
     using U = UintV<N>;
     index_t k = 0;
     for (; k + N <= count; k += N) {
-      ByteV<N> bytes;
-      std::memcpy(&bytes, c + k, sizeof(bytes));
-      const U w = __builtin_convertvector(bytes, U);  // a vpmovzxbd where the clone has one
+      const U w = widen_bytes<N>(c + k);
       const U e = (w >> 3) & 0xFu;
       const U m = w & 7u;
       const FloatV<N> sub_f = __builtin_convertvector((IntV<N>)m, FloatV<N>) * 0.001953125f;

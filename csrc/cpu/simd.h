@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 namespace torchstash {
@@ -49,6 +50,24 @@ __attribute__((always_inline)) inline ByteV<N> low_bytes(V v) {
 #endif
 #endif
   return __builtin_convertvector(v, ByteV<N>);
+}
+
+// N bytes from c widened to 32-bit lanes, as __builtin_convertvector(bytes, UintV<N>) does.
+// AVX2 has vpmovzxbd, but GCC lowers that conversion lane by lane (half of an fp8 decode's
+// time); at 8 lanes the two words are broadcast, blended and shifted instead.
+template <int N>
+__attribute__((always_inline)) inline UintV<N> widen_bytes(const std::uint8_t* c) {
+  if constexpr (N == 8) {
+    std::uint32_t w[2];
+    std::memcpy(w, c, sizeof(w));
+    const UintV<8> lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    const UintV<8> word = lane < 4u ? UintV<8>{} + w[0] : UintV<8>{} + w[1];
+    return (word >> ((lane & 3u) * 8u)) & 0xFFu;
+  } else {
+    ByteV<N> bytes;
+    std::memcpy(&bytes, c, sizeof(bytes));
+    return __builtin_convertvector(bytes, UintV<N>);
+  }
 }
 
 // 16 where the CPU has AVX-512 (the x86-64-v4 clone runs), 8 with AVX2, 4 below; 16 off x86
