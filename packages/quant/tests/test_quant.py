@@ -32,6 +32,7 @@ ZOO = {e.name: e for e in zoo("tiny")}
         ("quant.int8", {"stochastic": "no"}, r"stochastic='no' must be True or False"),
         ("quant.int4", {"seed": "abc"}, r"seed='abc' must be an integer or None"),
         ("quant.mesa", {"stochastic": "no"}, r"stochastic='no' must be True or False"),
+        ("quant.mesa", {"derive": "yes"}, r"derive='yes' must be True or False"),
         ("quant.auto", {"derive": "no"}, r"derive='no' must be True or False"),
         ("quant.auto", {"interval": 2.5}, r"interval=2.5 must be an integer"),
         ("quant.L2", {"seed": 1.5}, r"seed=1.5 must be an integer or None"),
@@ -317,6 +318,38 @@ def test_int2_defaults_recompute_norm_and_gelu_outputs() -> None:
         bn(x).sum().backward()
     row = next(r for r in s.tally.rows.values() if r.module_type == "BatchNorm2d")
     assert row.derived == 0 and row.stored_bytes < 4 * 8 * 16 * 16 * 3 // 8
+
+
+def test_mesa_with_derive_recomputes_what_int8_recomputes() -> None:
+    """``quant.mesa`` codes every saved tensor (Mesa's scheme); with ``derive=True`` the
+    outputs a later op saves (a LayerNorm's, a GELU's) are recomputed from the coded inputs
+    as under ``quant.int8``: the same rows keep no bytes, and the gradients stay near stock's."""
+    from torchstash.testing.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(dim=64, layers=1, ctx=16)
+    idx = torch.randint(0, 128, (2, 16))
+    model(idx).square().mean().backward()
+    stock = [p.grad.clone() for p in model.parameters()]
+    stored, grads = {}, {}
+    for derive in (False, True):
+        model.zero_grad(set_to_none=True)
+        with ts.apply(model, "quant.mesa", min_bytes=0, seed=1, derive=derive) as h:
+            model(idx).square().mean().backward()
+        rows = h.tally.rows
+        stored[derive] = sum(r.stored_bytes for r in rows.values())
+        grads[derive] = torch.cat([p.grad.flatten() for p in model.parameters()])
+        recomputed = {"blocks.0.attn.qkv", "blocks.0.mlp.2"}
+        derived = {k for k, r in rows.items() if r.derived}
+        if derive:
+            assert recomputed <= derived
+            assert all(rows[k].stored_bytes == 0 for k in recomputed)
+        else:
+            assert not recomputed & derived
+    assert stored[True] < 0.75 * stored[False]
+    ref = torch.cat([g.flatten() for g in stock]).double()
+    for g in grads.values():
+        assert torch.nn.functional.cosine_similarity(g.double(), ref, dim=0) > 0.999
 
 
 #: saves of each kind :class:`~torchstash_quant.opaware.OpAware` codes its own way

@@ -68,7 +68,10 @@ class MesaQuantizer(BaseCompressor):
         stochastic: bool = True,
         seed: int | None = None,
         group_size: int | None = None,
+        derive: bool = False,
     ) -> None:
+        if not isinstance(derive, bool):
+            raise OptionError(f"quant.mesa: option derive={derive!r} must be True or False")
         if bits != 8:
             raise OptionError(
                 f"quant.mesa: option bits={bits!r} is not supported; Mesa's scheme is 8-bit "
@@ -91,6 +94,9 @@ class MesaQuantizer(BaseCompressor):
         self.groups = groups
         self.group_size = group_size
         self.stochastic = stochastic
+        #: outputs recomputed from the coded inputs (:func:`~.strategies.build_mesa`), as
+        #: quant.int8 does; off by default: Mesa codes every saved tensor
+        self.derive = derive
         self.seeds = SeedStream(seed)
         #: per site, the running range: ``(lo, hi)`` rows of one ``(2, groups)`` tensor
         self.state: dict[str, torch.Tensor] = {}
