@@ -93,6 +93,9 @@ SCRIPT = textwrap.dedent(
         cases["level_quantize"] = lambda impl: K.level_quantize(
             clean, torch.tensor([-1.0, 0.0, 0.5, 2.0]), 4, seed=4, impl=impl
         )
+        cases["level_quantize 15 levels, NaN and Inf"] = lambda impl: K.level_quantize(
+            x, torch.linspace(-3.0, 3.0, 15), 4, seed=6, impl=impl
+        )
         packed = K.sign_pack(x, impl="ref")
         cases["sign_select"] = lambda impl: K.sign_select(x, packed, impl=impl)
         cases["sign_unpack"] = lambda impl: K.sign_unpack(packed, n, torch.float32, impl=impl)
