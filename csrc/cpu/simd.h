@@ -27,8 +27,6 @@ template <int N>
 using IntV = typename VecOf<std::int32_t, N>::type;
 template <int N>
 using ByteV = typename VecOf<std::uint8_t, N>::type;
-template <int N>
-using DoubleV = typename VecOf<double, N>::type;
 
 // Each 32-bit lane's low byte, as __builtin_convertvector(v, ByteV<N>) truncates. GCC lowers
 // that conversion lane by lane where the clone has no narrowing store (AVX2: 8 extracts,
@@ -54,10 +52,16 @@ __attribute__((always_inline)) inline ByteV<N> low_bytes(V v) {
 
 // N bytes from c widened to 32-bit lanes, as __builtin_convertvector(bytes, UintV<N>) does.
 // AVX2 has vpmovzxbd, but GCC lowers that conversion lane by lane (half of an fp8 decode's
-// time); at 8 lanes the two words are broadcast, blended and shifted instead.
+// time); at 8 lanes the two words are broadcast, blended and shifted instead (byte k of a
+// word its bits 8k..8k+7: little-endian only).
 template <int N>
 __attribute__((always_inline)) inline UintV<N> widen_bytes(const std::uint8_t* c) {
-  if constexpr (N == 8) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+  constexpr bool kLittle = true;
+#else
+  constexpr bool kLittle = false;
+#endif
+  if constexpr (N == 8 && kLittle) {
     std::uint32_t w[2];
     std::memcpy(w, c, sizeof(w));
     const UintV<8> lane = {0, 1, 2, 3, 4, 5, 6, 7};
