@@ -19,6 +19,7 @@ from torch import nn
 
 import torchstash as ts
 from torchstash.errors import OptionError, UnknownStrategyError
+from torchstash.testing.hooks import hook_total
 
 FIELDS = {"torchstash/saved_mb", "torchstash/stored_mb", "torchstash/raw_mb", "torchstash/ratio"}
 
@@ -31,7 +32,7 @@ def _library(name: str) -> Any:
 
 
 def _hooks(model: nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    return hook_total(model)
 
 
 # -- imports -----------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from torch import nn
 import torchstash as ts
 from torchstash.engine import CONSTANT_REASON
 from torchstash.errors import NothingToRewriteWarning
+from torchstash.testing.hooks import hook_total
 from torchstash_bench.common import lossless_of
 from torchstash_bench.ecosystem import (
     MODELS,
@@ -88,7 +89,7 @@ def _spec(name: str) -> Spec:
 
 
 def _hooks(model: nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    return hook_total(model)
 
 
 class Stock:

@@ -33,6 +33,7 @@ from torchstash.optrack import STATE as OP_STATE
 from torchstash.packed import Packed
 from torchstash.registry import EntryPoint
 from torchstash.site import Site
+from torchstash.testing.hooks import hook_total
 from torchstash.testing.models import zoo
 from torchstash.testing.toys import CloneCompressor
 
@@ -161,8 +162,7 @@ def assert_engine_idle(handle: ts.Handle) -> None:
 
 def assert_removed(model: nn.Module) -> None:
     assert ts.handle_of(model) is None
-    for m in model.modules():
-        assert not m._forward_hooks and not m._forward_pre_hooks, m
+    assert hook_total(model) == 0
 
 
 def suggested_rule(message: str) -> dict[str, str]:

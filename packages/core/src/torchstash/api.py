@@ -9,6 +9,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from .engine.replay import Replayer
 from .errors import ApplyError, NothingToRewriteWarning
 from .graphhooks import GraphHooks
 from .graphkeep import RECOMPUTED_OPS
+from .modulecalls import CallEntry, takes_entry
 from .packed import storage_base
 from .plan import Plan, Swapped
 from .policy import Policy, Rule, as_policy
@@ -62,7 +64,7 @@ class Handle:
         self._model = weakref.ref(model)
         self.plan = plan
         self.engine = engine
-        self.hooks: list[RemovableHandle | EagerUnderCompile | GraphUnderCompile] = []
+        self.hooks: list[RemovableHandle | CallEntry | EagerUnderCompile | GraphUnderCompile] = []
         self.rewrites: list[Rewrite] = []
         self.removed = False
         self.budget: BudgetPlan | None = None  # what apply(budget_mb=...) chose
@@ -351,12 +353,21 @@ def _install_hooks(
         handle.hooks.append(GraphUnderCompile(model, graph, engine))
     elif compresses:
         handle.hooks.append(EagerUnderCompile(model, handle.policy.name, refusals))
+
+    def traced() -> None:
+        # traced: in the graph (its hooks), past the eager fallback, or a rewrite-only plan
+        if compresses and not graphed:
+            warn_compiled(model, "traced")
+
     for _, module, info in infos:
+        if takes_entry(module):  # the usual case: torch's fast call path kept (.modulecalls)
+            enter = partial(engine.enter_module, info)
+            handle.hooks.append(CallEntry(module, enter, engine.exit_module, traced))
+            continue
 
         def pre(m: nn.Module, args: Any, info: ModuleInfo = info) -> None:
-            if compiling():  # traced: in the graph (its hooks), past the eager fallback, or
-                if compresses and not graphed:  # a rewrite-only plan
-                    warn_compiled(model, "traced")
+            if compiling():
+                traced()
                 return
             engine.enter_module(info, m)
 

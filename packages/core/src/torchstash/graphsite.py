@@ -211,9 +211,16 @@ def saver(node: torch.fx.Node) -> tuple[torch.fx.Node | None, str]:
     return None, ""
 
 
+#: a call entry's way back to its module in dynamo's path
+_THROUGH_ENTRY = re.compile(r"\.(?:_call_impl|__call__)\.__self__")
+
+
 def module_path(key: str) -> str:
-    """A module's qualified name from dynamo's path of it (``L['self'].blocks[0].fc``)."""
+    """A module's qualified name from dynamo's path of it (``L['self'].blocks[0].fc``; a
+    module reached through a call entry's bound method, ``._call_impl.__self__``, is the
+    module itself: :mod:`torchstash.modulecalls`)."""
     path = re.sub(r"^L\['[^']*'\]", "", key)
+    path = _THROUGH_ENTRY.sub("", path)
     path = _INDEX.sub(lambda m: "." + (m.group(1) or m.group(2)), path)
     path = path.replace("._modules.", ".").replace("_modules.", "")
     return path.lstrip(".")
