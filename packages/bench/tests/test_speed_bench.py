@@ -14,16 +14,24 @@ from torchstash_bench import speed
 def test_rows_relate_each_method_to_stock() -> None:
     entry = next(m for m in speed.MODELS if m.name == "mlp-host")
     rows, profiles = speed.measure_model(
-        entry, ["none", "checkpoint"], torch.device("cpu"), warmup=3, steps=3, profile=2
+        entry,
+        ["none", "empty-hooks", "checkpoint"],
+        torch.device("cpu"),
+        warmup=3,
+        steps=3,
+        profile=2,
     )
     by = {r["method"]: r for r in rows}
-    assert set(by) == {"stock", "none", "checkpoint"}
+    assert set(by) == {"stock", "none", "empty-hooks", "checkpoint"}
     assert by["stock"]["ratio"] == pytest.approx(1.0)
     assert by["none"]["saves"] == 197  # 65 linears (input, weight), 64 GELUs, the loss (3)
     assert by["none"]["held_share"] == pytest.approx(1.0)
     assert by["none"]["engine_us_per_saved"] > 0  # the engine's hooks ran
     assert by["checkpoint"]["engine_us_per_saved"] is None  # torch's own method
     assert by["checkpoint"]["held_share"] is not None
+    # the floor under the engine's hooks: stock's bytes, no engine
+    assert by["empty-hooks"]["held_share"] == pytest.approx(1.0)
+    assert by["empty-hooks"]["engine_us_per_saved"] is None
     assert list(profiles) == ["mlp-host none"]
 
 

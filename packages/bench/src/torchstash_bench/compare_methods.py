@@ -33,6 +33,8 @@ from .common import (
 CHECKPOINT, SAC, SAVE_ON_CPU, COMPILE = "checkpoint", "sac", "save_on_cpu", "compile-budget"
 #: ``torch.compile(model)`` as it comes (no budget)
 COMPILED = "compiled"
+#: a pass-through Python pack and unpack pair around the forward (named, never a default)
+EMPTY_HOOKS = "empty-hooks"
 BASELINES = (CHECKPOINT, SAC, SAVE_ON_CPU, COMPILE, COMPILED)
 #: checkpointing with a strategy on the blocks' inputs, and strategies compiled
 #: (``torch.compile`` of the applied model: their codes in the graph), run by default where
@@ -238,6 +240,26 @@ class SavedOnCpu(Attached):
             return self.call(x)
 
 
+def _detached(t: Tensor) -> Tensor:
+    return t.detach()  # held without its graph: an output held as it is would be a cycle
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
+class EmptyHooks(Attached):
+    """A pass-through Python pack and unpack pair around the forward: what anything that sees
+    each saved tensor from Python pays before it does a thing with it (the speed bench's floor
+    under the engine's hooks). With a counter it holds what stock holds, counted as stock's."""
+
+    def forward(self, x: Tensor, counter: HeldCounter | None = None) -> Tensor:
+        if counter is not None:
+            return super().forward(x, counter)
+        with torch.autograd.graph.saved_tensors_hooks(_detached, _same):
+            return self.call(x)
+
+
 class Compiled(Attached):
     """``torch.compile(model)`` with the partitioner's activation memory budget set around
     this method's own calls (it is read when a graph is compiled, at the first step); None:
@@ -391,6 +413,8 @@ def methods(
             out.append(
                 Method(n, "torch", True, functools.partial(SavedOnCpu, pin_memory=pin_memory))
             )
+        elif n == EMPTY_HOOKS:
+            out.append(Method(n, "torch", True, EmptyHooks))
         elif n == COMPILE:
             out.append(Method(n, "torch", False, functools.partial(Compiled, budget=budget)))
         elif n == COMPILED:

@@ -50,11 +50,13 @@ from .common import (
     split_names,
     timing_arguments,
 )
-from .compare_methods import CHECKPOINT, Attached, HeldCounter, Method, methods
+from .compare_methods import CHECKPOINT, EMPTY_HOOKS, Attached, HeldCounter, Method, methods
 
-#: what the table measures by default: nothing compressed, the rewrites, the codes, and the
+#: what the table measures by default: nothing compressed (and under it, an empty Python
+#: pack/unpack pair: the floor of any saved-tensor hook), the rewrites, the codes, and the
 #: per-block checkpointing every strategy must beat
 DEFAULT_METHODS = (
+    EMPTY_HOOKS,
     "none",
     "memsave",
     "quant.int8",

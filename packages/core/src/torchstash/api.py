@@ -9,7 +9,6 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -361,8 +360,7 @@ def _install_hooks(
 
     for _, module, info in infos:
         if takes_entry(module):  # the usual case: torch's fast call path kept (.modulecalls)
-            enter = partial(engine.enter_module, info)
-            handle.hooks.append(CallEntry(module, enter, engine.exit_module, traced))
+            handle.hooks.append(CallEntry(module, engine, info, traced))
             continue
 
         def pre(m: nn.Module, args: Any, info: ModuleInfo = info) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from torch import nn
 
@@ -35,26 +35,32 @@ def takes_entry(module: nn.Module) -> bool:
     return not any(name in module.__dict__ for name in _ENTRY_NAMES)
 
 
+class Listener(Protocol):
+    """What an entry tells of each eager call (the engine, :mod:`.engine.scope`); looked up
+    at each call, so a wrapper put on the engine later (the speed bench's timer) sees them."""
+
+    def enter_module(self, info: Any, owner: nn.Module) -> None: ...
+
+    def exit_module(self, owner: nn.Module) -> None: ...
+
+
 class CallEntry:
-    """``enter(module)`` before and ``leave(module)`` after each eager call of ``module`` (also
-    when it raises); ``traced()`` instead while dynamo traces it. ``remove`` takes it off."""
+    """``listener.enter_module(info, module)`` before and ``listener.exit_module(module)``
+    after each eager call of ``module`` (also when it raises); ``traced()`` instead while
+    dynamo traces it. ``remove`` takes it off."""
 
     def __init__(
-        self,
-        module: nn.Module,
-        enter: Callable[[nn.Module], None],
-        leave: Callable[[nn.Module], None],
-        traced: Callable[[], None],
+        self, module: nn.Module, listener: Listener, info: Any, traced: Callable[[], None]
     ) -> None:
         def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             if compiling():
                 traced()
                 return type(self)._call_impl(self, *args, **kwargs)
-            enter(self)
+            listener.enter_module(info, self)
             try:
                 return type(self)._call_impl(self, *args, **kwargs)
             finally:
-                leave(self)
+                listener.exit_module(self)
 
         self._function = call
         self._module = weakref.ref(module)

@@ -1,7 +1,7 @@
 """Scoping and site naming: which module and op call is running when autograd saves a tensor.
 
-Module hooks push a frame per module call (the outermost one activates the engine: its
-saved-tensor hooks and the op tracker); the pack hook names the save's :class:`Site` from the
+Each module call pushes a frame (told by the module's call entry, :mod:`torchstash.modulecalls`;
+the outermost one activates the engine: its saved-tensor hooks and the op tracker); the pack hook names the save's :class:`Site` from the
 innermost frame and the running op call.
 """
 
