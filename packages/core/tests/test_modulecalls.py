@@ -142,3 +142,47 @@ def test_dynamo_s_path_through_an_entry_names_the_module() -> None:
     assert module_path(key) == "blocks.0.attn"
     assert module_path("L['self']._call_impl.__self__._modules['fc']") == "fc"
     assert module_path("L['self']._modules['blocks']._modules['0']") == "blocks.0"
+
+
+def _replicate_like_data_parallel(model: nn.Module) -> nn.Module:
+    """What ``torch.nn.parallel.replicate`` does for one device, on the CPU: each module's
+    ``_replicate_for_data_parallel``, the children wired, each parameter set on the replica as
+    a plain tensor (here its own leaf, so the gradients show which module ran)."""
+    modules = list(model.modules())
+    replicas = {id(m): m._replicate_for_data_parallel() for m in modules}
+    for m in modules:
+        replica = replicas[id(m)]
+        for key, child in m._modules.items():
+            replica._modules[key] = replicas[id(child)] if child is not None else None
+        for key, p in m._parameters.items():
+            if p is not None:
+                setattr(replica, key, p.detach().clone().requires_grad_())
+    return replicas[id(model)]
+
+
+def test_data_parallel_replicas_call_themselves(toy_strategies: list[str]) -> None:
+    """``nn.DataParallel`` copies each module's ``__dict__`` into its replica: the entries
+    (and the model's compile entry) are rebound to the replica, which runs on its own
+    parameters, as with hooks; without the rebinding every replica ran the original."""
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(8, 16)
+    want = _grads(copy.deepcopy(model), x)
+    h = ts.apply(model, "test.clone", min_bytes=0)
+    replica = _replicate_like_data_parallel(model)
+    for r in replica.modules():
+        assert r.__dict__["_call_impl"].__self__ is r
+    replica(x).square().sum().backward()
+    got = {
+        n: getattr(r, k).grad
+        for n, (r, k) in {
+            "a.weight": (replica.a, "weight"),
+            "a.bias": (replica.a, "bias"),
+            "b.weight": (replica.b, "weight"),
+            "b.bias": (replica.b, "bias"),
+        }.items()
+    }
+    assert all(got[n] is not None and torch.equal(got[n], want[n]) for n in got)
+    assert all(p.grad is None for p in model.parameters())  # the originals did not run
+    assert {"a", "act", "b"} <= set(h.tally.rows)
+    h.remove()
+    assert hook_total(model) == 0

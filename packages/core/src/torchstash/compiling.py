@@ -28,6 +28,7 @@ from torch import nn
 
 from .compressor import NOT_TRACEABLE
 from .errors import CompileFallbackWarning
+from .replicas import rebind_replicas, unbind_replicas
 
 _WARNED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 _STRATEGY: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
@@ -152,6 +153,7 @@ class EagerUnderCompile:
         except TypeError:  # a class whose __init_subclass__ wants arguments: left as it is
             pass
         object.__setattr__(model, "_call_impl", _eager_call_impl.__get__(model))
+        rebind_replicas(model)
 
     def remove(self) -> None:
         model = self._model()
@@ -160,6 +162,7 @@ class EagerUnderCompile:
         if type(model) is _APPLIED.get(self._class):
             model.__class__ = self._class
         model.__dict__.pop("_call_impl", None)
+        unbind_replicas(model)
         _STRATEGY.pop(model, None)
         _WHY.pop(model, None)
         _WARNED.pop(model, None)
@@ -304,6 +307,7 @@ class GraphUnderCompile:
         bound = entry.__get__(model)
         object.__setattr__(model, "_call_impl", bound)
         object.__setattr__(model, "__call__", bound)
+        rebind_replicas(model)
 
     def remove(self) -> None:
         model = self._model()
@@ -313,6 +317,7 @@ class GraphUnderCompile:
             model.__class__ = self._class
         model.__dict__.pop("_call_impl", None)
         model.__dict__.pop("__call__", None)
+        unbind_replicas(model)
         _GRAPHED.pop(model, None)
 
 

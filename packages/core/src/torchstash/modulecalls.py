@@ -12,7 +12,9 @@ calls the class's own ``_call_impl``, which, with no hook of ours, takes the fas
 A module that already has ``_call_impl`` or ``__call__`` on its instance (the applied model's
 compile entry, :mod:`.compiling`, or another library's) keeps the hooks: an entry is never
 stacked on someone else's. ``copy.deepcopy`` of a module binds its entry to the copy, as its
-hooks were copied with it.
+hooks were copied with it; so does ``nn.DataParallel``'s replication, which copies a module's
+``__dict__`` and would otherwise leave each replica calling the original
+(:mod:`.replicas`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, Protocol
 from torch import nn
 
 from .compiling import compiling
+from .replicas import rebind_replicas, unbind_replicas
 
 #: the attributes an entry is, or that keep a module on hooks when already set
 _ENTRY_NAMES = ("_call_impl", "__call__")
@@ -65,6 +68,7 @@ class CallEntry:
         self._function = call
         self._module = weakref.ref(module)
         object.__setattr__(module, "_call_impl", types.MethodType(call, module))
+        rebind_replicas(module)
 
     def remove(self) -> None:
         """Take the entry off its module (and off a copy's, were one made: each copy is its
@@ -75,3 +79,4 @@ class CallEntry:
         bound = module.__dict__.get("_call_impl")
         if isinstance(bound, types.MethodType) and bound.__func__ is self._function:
             del module.__dict__["_call_impl"]
+            unbind_replicas(module)
