@@ -400,3 +400,20 @@ def test_subnormal_sites_are_measured_at_their_own_scale() -> None:
     # the subnormal site's steps are the normal one's times 1e-40: squared, below float32's range
     assert 0.0 <= estimates[1] <= estimates[0] * 1e-30
     assert estimates[0] > 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_variance_reads_nan_and_inf_as_zeros(dtype: torch.dtype) -> None:
+    """The allocation's variance: one pass, the same value as zeroing NaN/Inf by a mask."""
+    from torchstash_quant.auto import _variance
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 33, generator=g).to(dtype)
+    x[0, 0], x[1, 2], x[3, 5] = float("nan"), float("inf"), float("-inf")
+    f = x.float()
+    expected = torch.where(f.isfinite(), f, 0.0).var()
+    got = _variance(x)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, expected)
+    assert torch.isnan(x[0, 0])  # the input is left as it was
+    assert _variance(x[:1, :1]).item() == 0.0

@@ -37,7 +37,17 @@ class Replay:
     attention map. In-place functions are replayed out of place: the recomputed tensor may be
     another entry's restored value."""
 
-    __slots__ = ("args", "autocast", "constants", "func", "held", "in_place", "index", "kwargs")
+    __slots__ = (
+        "args",
+        "autocast",
+        "checked",
+        "constants",
+        "func",
+        "held",
+        "in_place",
+        "index",
+        "kwargs",
+    )
 
     def __init__(
         self,
@@ -51,11 +61,17 @@ class Replay:
         #: the in-place form the forward ran, for a recomputed tensor no one else holds (an
         #: in-place function changes its first argument: only there)
         self.in_place: Callable[..., Any] | None = None
+        #: whether the in-place form gives the forward's own result only where the result
+        #: keeps the recomputed tensor's shape and dtype (checked per run)
+        self.checked = False
         if index == 0:
             if self.func is not func:
                 self.in_place = func
             elif func is F.relu and (kwargs.get("inplace") or tuple(args[1:2]) == (True,)):
                 self.in_place = torch.relu_
+            else:
+                self.in_place = _IN_PLACE.get(func)
+                self.checked = self.in_place is not None
         if func is F.relu:
             args = args[:1]  # F.relu(x, True): its ``inplace`` flag
         others = [(i, a) for i, a in enumerate(args) if i != index and isinstance(a, torch.Tensor)]
@@ -86,10 +102,62 @@ class Replay:
         args = list(self.args)
         args[self.index] = t
         in_place = owned and self.in_place is not None
+        if in_place and self.checked:
+            in_place = _keeps_layout(t, args[1:], self.kwargs)
         func = self.in_place if in_place else self.func
         assert func is not None
         with under_autocast(self.autocast, t.device.type):
             return func(*args, **self.kwargs), in_place
+
+
+def _in_place_forms() -> dict[Any, Callable[..., Any]]:
+    """Out-of-place pointwise calls whose in-place form computes the same values into the
+    first argument: a recomputed attention map scaled (``att * s``) and masked
+    (``masked_fill``) in place where the forward made two new maps (on the zoo's GPT the
+    out-of-place mask took half as long again as stock's). Only where the result keeps the
+    argument's shape and dtype (:func:`_keeps_layout`)."""
+    T = torch.Tensor
+    pairs = [
+        (T.__mul__, T.mul_),
+        (T.__rmul__, T.mul_),
+        (T.mul, T.mul_),
+        (torch.mul, T.mul_),
+        (T.__truediv__, T.div_),
+        (T.div, T.div_),
+        (torch.div, T.div_),
+        (T.__add__, T.add_),
+        (T.__radd__, T.add_),
+        (T.add, T.add_),
+        (torch.add, T.add_),
+        (T.__sub__, T.sub_),
+        (T.sub, T.sub_),
+        (torch.sub, T.sub_),
+        (T.masked_fill, T.masked_fill_),
+        (torch.masked_fill, T.masked_fill_),
+        (T.relu, torch.relu_),
+        (torch.relu, torch.relu_),
+    ]
+    return dict(pairs)
+
+
+_IN_PLACE = _in_place_forms()
+
+
+def _keeps_layout(t: torch.Tensor, others: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """The call's result has ``t``'s shape and dtype (no other argument broadcasts it wider
+    or promotes it), so writing it into ``t`` gives the same values."""
+    for a in (*others, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            if a.dtype != torch.bool and torch.result_type(t, a) != t.dtype:
+                return False
+            if a.dim() > t.dim() or torch.broadcast_shapes(t.shape, a.shape) != t.shape:
+                return False
+        elif isinstance(a, (bool, int, float, complex)):
+            if torch.result_type(t, a) != t.dtype:
+                return False
+        elif a is not None and not isinstance(a, str):
+            return False
+    return True
 
 
 def _out_of_place(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -518,9 +518,14 @@ class AutoQuantizer(BaseCompressor):
 
 
 def _variance(x: torch.Tensor) -> torch.Tensor:
-    """The variance of ``x``'s finite values (a NaN/Inf group would make it meaningless)."""
-    x = x.detach().float()
-    return torch.where(x.isfinite(), x, 0.0).var() if x.numel() > 1 else x.new_zeros(())
+    """The variance of ``x`` with its NaN and Inf read as zeros (one would make it
+    meaningless). ``nan_to_num`` is one pass where ``isfinite`` and ``where`` took four (a
+    measured step of the zoo's GPT spent 50 ms here)."""
+    if x.numel() <= 1:
+        return x.new_zeros((), dtype=torch.float32)
+    if x.dtype == torch.float32:
+        return torch.nan_to_num(x.detach(), 0.0, 0.0, 0.0).var()
+    return x.detach().float().nan_to_num_(0.0, 0.0, 0.0).var()  # the copy is ours
 
 
 def _made_by_batch_norm(site: Site) -> bool:
