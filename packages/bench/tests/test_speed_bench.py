@@ -24,6 +24,8 @@ def test_rows_relate_each_method_to_stock() -> None:
     by = {r["method"]: r for r in rows}
     assert set(by) == {"stock", "none", "empty-hooks", "checkpoint"}
     assert by["stock"]["ratio"] == pytest.approx(1.0)
+    assert by["stock"]["mean_ratio"] == pytest.approx(1.0)
+    assert all(r["mean_ratio"] > 0 for r in rows)
     assert by["none"]["saves"] == 197  # 65 linears (input, weight), 64 GELUs, the loss (3)
     assert by["none"]["held_share"] == pytest.approx(1.0)
     assert by["none"]["engine_us_per_saved"] > 0  # the engine's hooks ran

@@ -16,7 +16,7 @@ from torchstash.errors import OptionError
 from torchstash.site import Site
 from torchstash.testing import heap
 from torchstash.testing.models import zoo
-from torchstash_quant.allocation import Need, allocate
+from torchstash_quant.allocation import Allocation, Need, allocate
 from torchstash_quant.auto import RECOMPUTED_OPS, AutoQuantizer, site_kind
 from torchstash_quant.groupcode import GroupCode
 from torchstash_quant.strategies import auto, quant
@@ -417,3 +417,66 @@ def test_variance_reads_nan_and_inf_as_zeros(dtype: torch.dtype) -> None:
     assert torch.equal(got, expected)
     assert torch.isnan(x[0, 0])  # the input is left as it was
     assert _variance(x[:1, :1]).item() == 0.0
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"interval": 4, "max_interval": 3}, r"max_interval=3 .* at least interval=4"),
+        ({"max_interval": 2.5}, r"max_interval=2.5"),
+        ({"max_interval": True}, r"max_interval=True"),
+    ],
+)
+def test_bad_max_interval_names_the_option(options: dict[str, object], match: str) -> None:
+    with pytest.raises(OptionError, match=match):
+        AutoQuantizer(**options)  # type: ignore[arg-type]
+
+
+def _measured_steps(
+    changes: Callable[[int], bool], steps: int, **options: object
+) -> tuple[list[int], list[int]]:
+    """The steps that measured and those the replay was asked to skip, on a model whose
+    allocation changes a width at the allocations ``changes(i)`` says (i counts them)."""
+    torch.manual_seed(0)
+    model = SiluNet()
+    codec = auto(2, seed=0, **options)
+    values = codec.values  # type: ignore[attr-defined]
+    made = [0]
+
+    def allocate() -> None:
+        i = made[0]
+        made[0] += 1
+        old = values.allocation.bits
+        width = 2 if not old else old["w"] ^ (6 if changes(i) else 0)  # 2 <-> 4
+        values.allocation = Allocation(bits={"w": width})
+
+    values._allocate = allocate
+    engine = Engine(lambda site, types: codec, min_bytes=0)  # type: ignore[arg-type,return-value]
+    x = torch.randn(32, 64)
+    measured, skipped = [], []
+    for step in range(steps):
+        if not values.replays_next():
+            skipped.append(step)
+        with engine.activated():
+            loss = model(x).square().mean()
+        if values._measuring:
+            measured.append(step)
+        loss.backward()
+    return measured, skipped
+
+
+def test_a_repeated_allocation_doubles_the_steps_to_the_next_measurement() -> None:
+    """Measured steps run the full path and the replay records again after them: while the
+    allocation repeats itself they come twice as far apart each time (to ``max_interval``),
+    and a width that changes brings back ``interval``."""
+    measured, skipped = _measured_steps(lambda i: False, 60, interval=2, max_interval=8)
+    # the first step and step 1 (interval - 1); each allocation after repeats the one
+    # before: 4 steps to the next, then 8, and 8 from there on
+    assert measured == [0, 1, 5, 13, 21, 29, 37, 45, 53]
+    # a measured step and the one after it take the full path
+    assert skipped == sorted({s for m in measured for s in (m, m + 1) if s < 60})
+    changing = _measured_steps(lambda i: i % 4 == 3, 40, interval=2, max_interval=8)[0]
+    # the 4th allocation (at step 14) changes a width: 2 steps to the next, then 4, 8, ...
+    assert changing == [0, 1, 5, 13, 15, 19, 27, 35, 37]
+    assert _measured_steps(lambda i: False, 12, interval=3, max_interval=3)[0] == [0, 2, 5, 8, 11]
+    assert _measured_steps(lambda i: False, 24, interval=3)[0] == [0, 2, 8, 20]

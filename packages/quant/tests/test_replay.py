@@ -214,7 +214,7 @@ def test_auto_measures_on_the_full_path_and_replays_between(
     torch.manual_seed(0)
     full = build()
     ours = copy.deepcopy(full)
-    codecs = [auto(2, seed=0, interval=8) for _ in range(2)]
+    codecs = [auto(2, seed=0, interval=8, max_interval=8) for _ in range(2)]
     engines = [Engine(lambda site, types, c=c: c, min_bytes=0) for c in codecs]  # type: ignore[misc]
     engines[0].replayer.enabled = False
     x = torch.randn(16, 32) if build is _tanh_mlp else torch.randn(4, 3, 16, 16)

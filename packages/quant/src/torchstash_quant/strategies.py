@@ -189,7 +189,8 @@ class AutoConfig:
     """Mixed 1/2/4/8-bit under an average budget (default 2), from range x gradient.
 
     Mixed precision: ``budget`` average bits per saved element, re-allocated every
-    ``interval`` steps. With ``derive``, LayerNorm, GELU/SiLU and attention outputs are
+    ``interval`` steps, twice as far apart each time an allocation repeats the one before, up
+    to ``max_interval`` (default 16 x ``interval``; equal to it: a fixed cadence). With ``derive``, LayerNorm, GELU/SiLU and attention outputs are
     recomputed from their stored inputs and count in the average at no bits, so the stored
     codes get wider ones. GELU/SiLU inputs as derivative codes of ``deriv_bits`` (``"auto"``:
     none with ``derive``, whose recomputation needs their values; else 2 below a budget of 4).
@@ -201,6 +202,7 @@ class AutoConfig:
     bits: tuple[int, ...] = (1, 2, 4, 8)
     group_size: int = 256
     interval: int = 20
+    max_interval: int | None = None
     stochastic: bool = True
     seed: int | None = None
     deriv_bits: int | str | None = "auto"
@@ -215,7 +217,15 @@ class AutoConfig:
 def build_auto(config: AutoConfig) -> OpAware:
     """:class:`AutoConfig`'s handler: the allocating codec, its start widths, its placement."""
     c = config
-    values = AutoQuantizer(c.budget, c.bits, c.group_size, c.interval, c.stochastic, c.seed)
+    values = AutoQuantizer(
+        c.budget,
+        c.bits,
+        c.group_size,
+        c.interval,
+        c.stochastic,
+        c.seed,
+        max_interval=c.max_interval,
+    )
     if c.derive:
         values.unranked_bits = dict(UNRANKED_BITS)
         values.derive = True

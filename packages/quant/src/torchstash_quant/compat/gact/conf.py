@@ -75,7 +75,8 @@ def strategy() -> tuple[str | None, dict[str, Any]]:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise OptionError(f"config.adapt_interval={interval!r} must be a positive integer")
         name = "quant.auto"
-        options.update(budget=config.bit, interval=interval)
+        # GACT measures every adapt_interval steps, however still the allocation
+        options.update(budget=config.bit, interval=interval, max_interval=interval)
     elif config.bit in (1, 2, 4, 8):
         name = f"quant.int{config.bit}"
     else:
