@@ -37,6 +37,20 @@ def _relu_step(inplace: bool) -> replaystep.Replay:
     return replaystep.Replay(torch.relu_ if inplace else torch.relu, [x], {}, 0)
 
 
+def _spy_in_place(mp: pytest.MonkeyPatch) -> list[bool]:
+    """The list each replayed step appends to: whether it ran in place."""
+    ran: list[bool] = []
+    run = replaystep.Replay.run
+
+    def spied(self: replaystep.Replay, t: torch.Tensor, owned: bool) -> tuple[torch.Tensor, bool]:
+        out = run(self, t, owned)
+        ran.append(out[1])
+        return out
+
+    mp.setattr(replaystep.Replay, "run", spied)
+    return ran
+
+
 @pytest.mark.parametrize("inplace", [True, False], ids=["relu_", "relu"])
 def test_an_in_place_step_runs_in_place_only_on_a_fresh_recipe_output(inplace: bool) -> None:
     """A BatchNorm's recomputed output, new and held by no one, takes its ReLU in place (one
@@ -47,16 +61,8 @@ def test_an_in_place_step_runs_in_place_only_on_a_fresh_recipe_output(inplace: b
     mean, invstd = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False).add(1e-5).rsqrt()
     bn = derive.Recipe("batch_norm", {"weight": None, "bias": None}, [mean, invstd])
     steps = (_relu_step(inplace),)
-    ran: list[bool] = []
-    run = replaystep.Replay.run
-
-    def spied(self: replaystep.Replay, t: torch.Tensor, owned: bool) -> tuple[torch.Tensor, bool]:
-        out = run(self, t, owned)
-        ran.append(out[1])
-        return out
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(replaystep.Replay, "run", spied)
+        ran = _spy_in_place(mp)
         got = derive.replace(bn, steps=steps)(x)
         want = F.relu(F.batch_norm(x, None, None, training=True))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -93,17 +99,9 @@ def test_out_of_place_steps_run_in_place_on_a_fresh_map_with_the_same_bits(
     mask = torch.ones(8, 8, dtype=torch.bool).triu(1)
     want = ((q @ k) * 0.5).masked_fill(mask, float("-inf")).softmax(dim=-1)
     rec = _attention_map(q, k, 0.5, mask)
-    ran: list[bool] = []
-    run = replaystep.Replay.run
-
-    def spied(self: replaystep.Replay, t: torch.Tensor, owned: bool) -> tuple[torch.Tensor, bool]:
-        out = run(self, t, owned)
-        ran.append(out[1])
-        return out
-
     q0, k0 = q.clone(), k.clone()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(replaystep.Replay, "run", spied)
+        ran = _spy_in_place(mp)
         got = rec(q, k)
     assert torch.equal(got, want)
     assert ran == [True, True, False]  # scale and mask in place; softmax has no such form
