@@ -144,7 +144,7 @@ __attribute__((always_inline)) inline ByteV<N> select_codes(const FloatV<N>& v, 
 // c[k] <- the code of x[k] in one channel (scalar lo, step).
 TS_CPU_CLONES void run_codes(const float* __restrict__ x, const float* __restrict__ u, index_t count, float lo,
                              float step, std::uint8_t* __restrict__ c) {
-  const index_t done = at_lanes([&](auto n) {
+  const index_t done = at_lanes([&](auto n) TS_LANES {
     constexpr int N = decltype(n)::value;
     index_t k = 0;
     for (; k + N <= count; k += N) {
@@ -163,7 +163,7 @@ TS_CPU_CLONES void run_codes(const float* __restrict__ x, const float* __restric
 TS_CPU_CLONES void expanded_codes(const float* __restrict__ x, const float* __restrict__ u,
                                   const float* __restrict__ lo_e, const float* __restrict__ step_e, index_t count,
                                   std::uint8_t* __restrict__ c) {
-  const index_t done = at_lanes([&](auto n) {
+  const index_t done = at_lanes([&](auto n) TS_LANES {
     constexpr int N = decltype(n)::value;
     index_t k = 0;
     for (; k + N <= count; k += N) {

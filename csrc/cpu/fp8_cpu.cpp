@@ -30,7 +30,7 @@ constexpr index_t kTaskElems = index_t{1} << 16;
 // *amax and *special. Finite magnitudes order like their bits.
 TS_CPU_CLONES void span_amax(const float* x, index_t count, float* amax, bool* special) {
   std::uint32_t m = groupquant::float_bits(*amax), any_bad = 0;
-  const index_t done = at_lanes([&](auto n) {
+  const index_t done = at_lanes([&](auto n) TS_LANES {
     constexpr int N = decltype(n)::value;
     UintV<N> big = {}, bad = {};
     index_t k = 0;
@@ -64,7 +64,7 @@ TS_CPU_CLONES void span_amax(const float* x, index_t count, float* amax, bool* s
 // e4m3 codes of finite x[k] / scale, N at a time: fp8::e4m3_from_float with its branches
 // as selects.
 TS_CPU_CLONES void finite_codes(const float* x, index_t count, float scale, std::uint8_t* c) {
-  const index_t done = at_lanes([&](auto n) {
+  const index_t done = at_lanes([&](auto n) TS_LANES {
     constexpr int N = decltype(n)::value;
     using F = FloatV<N>;
     using U = UintV<N>;
@@ -102,7 +102,7 @@ TS_CPU_CLONES void special_codes(const float* x, index_t count, float scale, std
 // time: fp8::e4m3_to_float as selects (a normal code's bits rebiased, a subnormal's mantissa
 // times 2^-9, exact; 0x7F / 0xFF the NaN c10 gives).
 TS_CPU_CLONES void finite_values(const std::uint8_t* c, index_t count, float magnitude, float* v) {
-  const index_t done = at_lanes([&](auto n) {
+  const index_t done = at_lanes([&](auto n) TS_LANES {
     constexpr int N = decltype(n)::value;
     using U = UintV<N>;
     index_t k = 0;

@@ -130,13 +130,13 @@ __attribute__((always_inline)) inline void ordinary_codes(const float* x, const 
 
 // Min/max of x[0, count) merged into s (a part of one large group).
 TS_CPU_CLONES Stats span_stats(const float* x, index_t count, Stats s) {
-  return groupquant::merge(s, at_lanes([&](auto n) { return block_stats<decltype(n)::value>(x, count); }));
+  return groupquant::merge(s, at_lanes([&](auto n) TS_LANES { return block_stats<decltype(n)::value>(x, count); }));
 }
 
 // stats[j] <- min/max of group j of a span of whole groups of G elements, x[0, count) (the
 // last group may be shorter): one call per span, not per group.
 TS_CPU_CLONES void groups_stats(const float* x, index_t count, index_t G, Stats* stats) {
-  at_lanes([&](auto n) {
+  at_lanes([&](auto n) TS_LANES {
     for (index_t off = 0, j = 0; off < count; off += G, ++j) {
       stats[j] = block_stats<decltype(n)::value>(x + off, std::min(G, count - off));
     }
@@ -145,7 +145,7 @@ TS_CPU_CLONES void groups_stats(const float* x, index_t count, index_t G, Stats*
 
 TS_CPU_CLONES void finite_codes(const float* x, const float* u, index_t count, float lo, float step, float top,
                                 std::uint8_t* c) {
-  at_lanes([&](auto n) { ordinary_codes<decltype(n)::value>(x, u, count, lo, step, top, c); });
+  at_lanes([&](auto n) TS_LANES { ordinary_codes<decltype(n)::value>(x, u, count, lo, step, top, c); });
 }
 
 // Whether a group's codes come from ordinary_codes (finite, not tiny, step > 0).
@@ -155,7 +155,7 @@ bool is_ordinary(const Params& p) { return !p.special && p.shape == groupquant::
 // into c; the other groups' codes are left to the caller.
 TS_CPU_CLONES void groups_codes(const float* x, const float* u, index_t count, index_t G, const Params* params,
                                 std::uint8_t* c) {
-  at_lanes([&](auto n) {
+  at_lanes([&](auto n) TS_LANES {
     for (index_t off = 0, j = 0; off < count; off += G, ++j) {
       const Params& p = params[j];
       if (is_ordinary(p)) {

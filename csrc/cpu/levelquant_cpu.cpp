@@ -47,7 +47,7 @@ TS_CPU_CLONES void level_codes(const float* v, const float* u, index_t count, co
     }
     return;
   }
-  const index_t done = at_lanes([&](auto n) {
+  const index_t done = at_lanes([&](auto n) TS_LANES {
     constexpr int N = decltype(n)::value;
     index_t i = 0;
     for (; i + N <= count; i += N) {

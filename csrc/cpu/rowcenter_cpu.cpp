@@ -38,7 +38,7 @@ TS_CPU_CLONES void subtract(const float* x, index_t count, float offset, float* 
 // ran lane by lane on AVX2).
 TS_CPU_CLONES float max_finite_abs(const float* c, index_t count, float amax) {
   std::uint32_t m = groupquant::float_bits(amax);
-  const index_t done = at_lanes([&](auto n) {
+  const index_t done = at_lanes([&](auto n) TS_LANES {
     constexpr int N = decltype(n)::value;
     UintV<N> big = {};
     index_t k = 0;

@@ -67,7 +67,18 @@ __attribute__((always_inline)) inline UintV<N> widen_bytes(const std::uint8_t* c
     const UintV<8> lane = {0, 1, 2, 3, 4, 5, 6, 7};
     const UintV<8> word = lane < 4u ? UintV<8>{} + w[0] : UintV<8>{} + w[1];
     return (word >> ((lane & 3u) * 8u)) & 0xFFu;
-  } else {
+  }
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+  else if constexpr (N == 16 && kLittle) {
+    // GCC 12 lowers the conversion lane by lane at 16 lanes too, even where AVX-512 has
+    // vpmovzxbd (fp8_dequantize took twice its 8-lane time): two 8-lane halves, joined
+    const UintV<8> lo = widen_bytes<8>(c), hi = widen_bytes<8>(c + 8);
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
+#endif
+#endif
+  else {
     ByteV<N> bytes;
     std::memcpy(&bytes, c, sizeof(bytes));
     return __builtin_convertvector(bytes, UintV<N>);
@@ -95,6 +106,14 @@ inline int lanes() {
   static const int found = detect_lanes();
   return found;
 }
+
+// A lambda given to at_lanes is written `[&](auto n) TS_LANES { ... }`: a lambda does not
+// inherit its TS_CPU_CLONES caller's target, so one GCC leaves out of line is compiled for
+// baseline x86-64 and every clone calls that one copy. At 16 lanes baseline code takes
+// AVX-512's vector operations lane by lane (a group code's statistics ran at 2 ns an element
+// on an AVX-512 CPU, six times the 8-lane time); inlined, the lambda is compiled in each
+// clone, for its target.
+#define TS_LANES __attribute__((always_inline))
 
 // f(std::integral_constant<int, N>{}) at the running CPU's lane count N (see lanes()): a
 // generic lambda reads N as decltype(n)::value.

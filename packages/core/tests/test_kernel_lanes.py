@@ -9,11 +9,15 @@ tails at every width and which hold NaN, infinities, subnormals, constant rows a
 from __future__ import annotations
 
 import os
+import platform
+import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from torchstash.kernels import loader
 
 SCRIPT = textwrap.dedent(
     """
@@ -115,3 +119,23 @@ def test_every_width_matches_the_reference(built: None, lanes: int) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "OK", done.stdout[-3000:]
+
+
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or shutil.which("nm") is None,
+    reason="the CPU clones are x86-64's; the check reads the library's symbols with nm",
+)
+def test_no_lanes_loop_is_left_out_of_its_clones(built: None) -> None:
+    """A lambda given to ``at_lanes`` is inlined into each ``TS_CPU_CLONES`` caller: one left
+    out of line is compiled for baseline x86-64 whatever clone calls it, and its 16-lane
+    vectors then run lane by lane (a group code's statistics six times slower on AVX-512)."""
+    library = loader.status()["library"]
+    listed = subprocess.run(
+        ["nm", "-C", library], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    out_of_line = [
+        line.split(" ", 2)[-1]
+        for line in listed.splitlines()
+        if "::{lambda(auto:1)" in line and "integral_constant<int," in line
+    ]
+    assert not out_of_line, "at_lanes lambdas without TS_LANES:\n" + "\n".join(out_of_line)
