@@ -65,6 +65,14 @@ inline bool philox_avx2() {
   static const bool found = lanes() == 8 && __builtin_cpu_supports("avx2");
   return found;
 }
+
+// The same with 16 blocks a vector (philox_avx512.cpp), where the leaf loops run 16 lanes wide.
+void philox_blocks_avx512(float* out, std::uint64_t b0, index_t groups, std::uint64_t seed, std::uint64_t offset);
+
+inline bool philox_avx512() {
+  static const bool found = lanes() == 16 && __builtin_cpu_supports("avx512f");
+  return found;
+}
 #endif
 
 // out[0, 4 * kPhiloxLanes * groups) <- the uniforms of kPhiloxLanes * groups blocks from b0.
@@ -74,6 +82,10 @@ __attribute__((always_inline)) inline void philox_blocks(float* out, std::uint64
 #if TS_PHILOX_AVX2
   if (philox_avx2()) {
     philox_blocks_avx2(out, b0, groups, seed, offset);
+    return;
+  }
+  if (philox_avx512()) {
+    philox_blocks_avx512(out, b0, groups, seed, offset);
     return;
   }
 #endif
