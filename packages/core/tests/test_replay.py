@@ -166,17 +166,22 @@ def test_train_and_eval_switches_and_no_grad() -> None:
 
 
 @contextlib.contextmanager
-def replaying(model: nn.Module, x: torch.Tensor) -> Iterator[torchstash.Handle]:
+def replaying(
+    model: nn.Module, x: torch.Tensor, *, hookless: bool = False
+) -> Iterator[torchstash.Handle]:
     """``model`` under ``none`` after two recorded steps and one replayed on ``x``: its next
-    step on ``x`` replays."""
+    step on ``x`` replays, behind every save's guard or (``hookless``) with no hook."""
     with torchstash.apply(model, "none") as handle:
+        replayer = handle.engine.replayer
+        replayer.may_go_hookless = hookless
         for _ in range(3):
             grads(model, x)
-        assert handle.engine.replayer.replayed == 1
+        assert replayer.replayed == 1
         yield handle
 
 
-def test_a_replayed_forward_that_raises_leaves_no_hook_behind() -> None:
+@pytest.mark.parametrize("hookless", [False, True])
+def test_a_replayed_forward_that_raises_leaves_no_hook_behind(hookless: bool) -> None:
     class Fails(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -191,7 +196,7 @@ def test_a_replayed_forward_that_raises_leaves_no_hook_behind() -> None:
 
     stock, model = pair(Fails)
     x = torch.randn(4, 16)
-    with replaying(model, x) as handle:
+    with replaying(model, x, hookless=hookless) as handle:
         model.fail = True
         with pytest.raises(ValueError, match="boom"):
             model(x)
@@ -205,7 +210,8 @@ def test_a_replayed_forward_that_raises_leaves_no_hook_behind() -> None:
         assert handle.engine.replayer.replayed >= 2
 
 
-def test_an_in_place_change_after_a_replayed_save_is_an_error() -> None:
+@pytest.mark.parametrize("hookless", [False, True])
+def test_an_in_place_change_after_a_replayed_save_is_an_error(hookless: bool) -> None:
     class Changes(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -222,16 +228,17 @@ def test_an_in_place_change_after_a_replayed_save_is_an_error() -> None:
 
     _, model = pair(Changes)
     x = torch.randn(4, 16)
-    with replaying(model, x):
+    with replaying(model, x, hookless=hookless):
         model.change = True
         with pytest.raises(RuntimeError, match="modified"):
             grads(model, x)
 
 
-def test_nested_stash_inside_a_replaying_model() -> None:
+@pytest.mark.parametrize("hookless", [False, True])
+def test_nested_stash_inside_a_replaying_model(hookless: bool) -> None:
     stock, model = pair(mlp)
     x = torch.randn(8, 16)
-    with replaying(model, x):
+    with replaying(model, x, hookless=hookless):
         for _ in range(3):
             with torchstash.stash("none") as block:
                 a = grads(stock, x)

@@ -202,6 +202,8 @@ def apply(
     # not keep a removed model's weights alive until the garbage collector runs.
     root = weakref.ref(model)
     modules: list[weakref.ref[nn.Module]] = []
+    #: the parameters as the last recorded forward found them (see ``trainable``)
+    params: list[weakref.ref[nn.Parameter]] = []
 
     def params_and_buffers() -> set[int]:
         """Read once a recorded forward: the modules' own dicts, not ``model.parameters()``,
@@ -210,6 +212,7 @@ def apply(
             found = root()
             modules.extend(weakref.ref(m) for m in (found.modules() if found else ()))
         ptrs = set()
+        params.clear()
         for ref in modules:
             m = ref()
             if m is None:
@@ -217,12 +220,28 @@ def apply(
             for p in m._parameters.values():
                 if p is not None:
                     ptrs.add(storage_base(p))
+                    params.append(weakref.ref(p))
             for b in m._buffers.values():
                 if b is not None:
                     ptrs.add(storage_base(b))
         return ptrs
 
-    engine = Engine(plan.compressor, min_bytes=min_bytes, skip_ptrs=params_and_buffers, names=plan)
+    def trainable() -> tuple[bool | None, ...]:
+        """Which of the parameters the last recorded forward found train (what a frozen
+        layer saves differs; None: gone): read before each forward that would run with no
+        hook (:mod:`torchstash.engine.hookless`). A parameter set on a module since then
+        is not among them: the check that one forward in 64 makes sees what it changes."""
+        if not modules:
+            params_and_buffers()
+        return tuple(None if (p := ref()) is None else p.requires_grad for ref in params)
+
+    engine = Engine(
+        plan.compressor,
+        min_bytes=min_bytes,
+        skip_ptrs=params_and_buffers,
+        names=plan,
+        state_key=trainable,
+    )
     handle = Handle(model, plan, engine)
     try:
         if plan.has_rewriters:
@@ -363,18 +382,18 @@ def _install_hooks(
             handle.hooks.append(CallEntry(module, engine, info, traced))
             continue
 
-        def pre(m: nn.Module, args: Any, info: ModuleInfo = info) -> None:
+        def pre(m: nn.Module, args: Any, kwargs: Any, info: ModuleInfo = info) -> None:
             if compiling():
                 traced()
                 return
-            engine.enter_module(info, m)
+            engine.enter_module(info, m, args, kwargs)
 
         def post(m: nn.Module, args: Any, out: Any) -> None:
             if compiling():
                 return
             engine.exit_module(m)
 
-        handle.hooks.append(module.register_forward_pre_hook(pre))
+        handle.hooks.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handle.hooks.append(module.register_forward_hook(post, always_call=True))
 
 

@@ -16,6 +16,9 @@ CSRC_DIR = "TORCHSTASH_CSRC_DIR"
 #: Seconds to wait for another process's kernel build (its lock) before using the
 #: pure-PyTorch reference (default 600).
 KERNEL_LOCK_WAIT = "TORCHSTASH_KERNEL_LOCK_WAIT"
+#: ``off`` keeps the engine's saved-tensor hooks on every forward, where a steady trace that
+#: only keeps tensors would run without them (:mod:`torchstash.engine.hookless`).
+HOOKLESS = "TORCHSTASH_HOOKLESS"
 
 
 def get(name: str, default: str = "") -> str:

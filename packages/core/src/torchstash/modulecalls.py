@@ -24,9 +24,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 
-from .compiling import compiling
 from .replicas import rebind_replicas, unbind_replicas
 
 #: the attributes an entry is, or that keep a module on hooks when already set
@@ -42,24 +42,28 @@ class Listener(Protocol):
     """What an entry tells of each eager call (the engine, :mod:`.engine.scope`); looked up
     at each call, so a wrapper put on the engine later (the speed bench's timer) sees them."""
 
-    def enter_module(self, info: Any, owner: nn.Module) -> None: ...
+    def enter_module(
+        self, info: Any, owner: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None: ...
 
     def exit_module(self, owner: nn.Module) -> None: ...
 
 
 class CallEntry:
-    """``listener.enter_module(info, module)`` before and ``listener.exit_module(module)``
+    """``listener.enter_module(info, module, args, kwargs)`` before and ``listener.exit_module(module)``
     after each eager call of ``module`` (also when it raises); ``traced()`` instead while
     dynamo traces it. ``remove`` takes it off."""
 
     def __init__(
         self, module: nn.Module, listener: Listener, info: Any, traced: Callable[[], None]
     ) -> None:
+        is_compiling = torch.compiler.is_compiling  # constant-folded by dynamo as it traces
+
         def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            if compiling():
+            if is_compiling():
                 traced()
                 return type(self)._call_impl(self, *args, **kwargs)
-            listener.enter_module(info, self)
+            listener.enter_module(info, self, args, kwargs)
             try:
                 return type(self)._call_impl(self, *args, **kwargs)
             finally:

@@ -23,7 +23,7 @@ from ..layout import dense_strides, with_layout
 from ..optrack import STATE as OP_STATE
 from ..packed import Packed, raw_nbytes, storage_base
 from ..site import Site
-from . import messages, rederive
+from . import hookless, messages, rederive
 from .entries import RELEASED, Entry, Recomputed, Saved, dedupe_key, variant_of
 from .messages import CONSTANT_REASON, FUSED_EXACT_REASON, FUSED_OUTPUT_REASON, KEEP_TYPE
 from .params import is_parameter
@@ -65,9 +65,12 @@ class Engine(Scoping, Recomputation):
         in_scope: Callable[[], bool] | None = None,
         replayer: Replayer | None = None,
         names: messages.Naming | None = None,
+        state_key: Callable[[], Any] | None = None,
     ) -> None:
         """``replayer``: one an earlier engine of the same plan recorded with (a ``stash``
-        block is a new engine each step); it is bound to this one while it runs."""
+        block is a new engine each step); it is bound to this one while it runs.
+        ``state_key``: what of the model's parameters decides what autograd saves (which
+        train), read before a forward that would run with no hook (:mod:`.hookless`)."""
         self.resolve = resolve
         #: who built each compressor, for the messages (the plan; None: a bare engine)
         self.names = names
@@ -83,6 +86,9 @@ class Engine(Scoping, Recomputation):
         self.replayer = replayer
         self._skip_ptrs = skip_ptrs
         self._skip: set[int] = set()
+        self._state_key = state_key
+        #: whether a lean trace's forwards may run with no hook (an applied model's engine)
+        self._hookless = hookless.enabled() and in_scope is None
         self._tls = ThreadState()
         self._live: dict[tuple[Any, ...], weakref.ref[Entry]] = {}
         self._live_limit = 1024

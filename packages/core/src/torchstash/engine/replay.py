@@ -15,8 +15,9 @@ second save of one of those, and a code whose compressor says it ``replays`` (it
 of the op call: memsave's ReLU mask, the sign bits), and an output recomputed from a code
 where :mod:`.rederive` can check its recipe. The saves that read the op's arguments (attention's
 codes and recipes, a GELU's derivative code) are decided again by the full path each step, in
-the module calls around them (:mod:`.regions`); the rest of such a forward replays.
-A replayed forward counts in the tally what its recording counted, row by row (exact for the
+the module calls around them (:mod:`.regions`); the rest of such a forward replays. A trace
+whose every move keeps a tensor as it is runs with no hook at all once it has replayed whole
+(:mod:`.hookless`). A replayed forward counts in the tally what its recording counted, row by row (exact for the
 same saves over the same storage sharing within the step, as in a training loop; a storage
 held across steps by a live graph is counted as the recording counted it).
 """
@@ -34,6 +35,7 @@ from ..compressor import Compressor, Encoder, replays_next
 from ..packed import Packed, storage_base
 from ..site import Site
 from .entries import Entry, Graph, Recomputed, Saved, dedupe_key
+from .hookless import CHECK_EVERY, Call
 from .params import parameter_copy
 from .rederive import Rederive, rebuild
 from .regions import Key, Region, place
@@ -220,6 +222,10 @@ class Recorder:
     #: the autograd node of each CODE and KEEP move's tensor (a DERIVE move's path ends at
     #: its operand's)
     nodes: dict[int, Any] = field(default_factory=dict)
+    #: the module calls of the forward, in order, and its root call's key
+    #: (:mod:`.hookless`)
+    calls: list[Call] = field(default_factory=list)
+    root: tuple[Any, ...] | None = None
 
     @classmethod
     def start(cls, tally: Tally) -> Recorder:
@@ -310,6 +316,11 @@ class Trace:
     askers: tuple[Compressor, ...] = ()
     #: the module calls it leaves to the full path (:mod:`.regions`)
     regions: dict[Key, Region] = field(default_factory=dict)
+    #: its module calls and root key, and whether it may run with no hook (every move keeps
+    #: a tensor as it is: :mod:`.hookless`)
+    calls: tuple[Call, ...] = ()
+    root: tuple[Any, ...] | None = None
+    lean: bool = False
 
     def may_replay(self) -> bool:
         """Whether the next forward may follow it (each asker agrees)."""
@@ -343,6 +354,14 @@ class Replayer:
         #: recorded forwards in a row that could not replay (a code that reads the op call)
         self.refused_in_a_row = 0
         self._forwards = 0
+        #: hookless forwards (:mod:`.hookless`); False once a check found saves no module
+        #: call shows changing; whether the trace replayed whole behind its guards; and the
+        #: forwards that might have gone hookless (one in :data:`CHECK_EVERY` is a check)
+        self.hookless = 0
+        self.may_go_hookless = True
+        self.steady = False
+        self._candidates = 0
+        self._checking = False
 
     def bind(self, tally: Tally, state: Callable[[], set[int]], code: Coder) -> None:
         """Serve the engine these belong to (a replayer shared by the engines of one plan's
@@ -393,6 +412,7 @@ class Replayer:
             tuple(t.signature() for t in totals),
             param_refs,
             tuple(sorted(regions)),
+            tuple((id(c[0]()), *c[1:]) for c in rec.calls),
         )
         if signature != self._last:
             self._last = signature
@@ -402,16 +422,52 @@ class Replayer:
             for m in rec.moves
             if m.compressor is not None and hasattr(m.compressor, "replays_next")
         }
-        self.trace = Trace(tuple(rec.moves), totals, param_refs, tuple(askers.values()), regions)
+        lean = (
+            not regions
+            and not askers
+            and bool(rec.calls)
+            and all(m.kind in (PARAM, KEEP, SHARED) and not m.full for m in rec.moves)
+        )
+        self.trace = Trace(
+            tuple(rec.moves),
+            totals,
+            param_refs,
+            tuple(askers.values()),
+            regions,
+            tuple(rec.calls),
+            rec.root,
+            lean,
+        )
+        self.steady = False
 
     def forget(self) -> None:
         """Record again from the next forward (a guard missed, or the engine was told to)."""
         self.trace = None
         self._last = None
+        self.steady = False
+
+    def goes_hookless(self, trace: Trace, root: Callable[[], tuple[Any, ...]]) -> bool:
+        """Whether this forward follows ``trace`` with no hook (:mod:`.hookless`): a lean
+        trace that replayed whole behind its guards, the root's key as recorded, and not
+        the one forward in :data:`CHECK_EVERY` that checks it behind them again."""
+        self._checking = False
+        if not (trace.lean and self.steady and self.may_go_hookless):
+            return False
+        if root() != trace.root:
+            return False  # another batch shape, say: the guarded replay (or a miss)
+        self._candidates += 1
+        if self._candidates % CHECK_EVERY == 0:
+            self._checking = True
+            return False
+        return True
 
     def miss(self) -> None:
         """A replayed forward left its trace: record again, or after :data:`MAX_MISSES` in a
-        row, not replay any more."""
+        row, not replay any more. A check of a hookless trace that misses ends hookless
+        forwards (:mod:`.hookless`)."""
+        if self._checking:
+            self._checking = False
+            self.may_go_hookless = False
         self.missed += 1
         self.misses_in_a_row += 1
         self.forget()
@@ -528,16 +584,22 @@ class Replayer:
         trace = tls.replaying
         assert trace is not None
         done = tls.position
-        tally = self.tally
         if done == len(trace.moves):
-            tally.add_forward(trace.totals)
-            tally.param_refs += trace.param_refs
-            self.replayed += 1
-            self.misses_in_a_row = 0
+            self.count_whole(trace)
+            self.steady = True
+            self._checking = False
             return True
         self.count_prefix(trace, min(done, len(trace.moves)))
         self.miss()
         return False
+
+    def count_whole(self, trace: Trace) -> None:
+        """A forward made every save of ``trace``: count its totals."""
+        tally = self.tally
+        tally.add_forward(trace.totals)
+        tally.param_refs += trace.param_refs
+        self.replayed += 1
+        self.misses_in_a_row = 0
 
     def count_prefix(self, trace: Trace, n: int) -> None:
         """Count the first ``n`` replayed saves (a forward that left its trace there)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from ..optrack import OpTracker, role_of, wait_for, watching
 from ..packed import storage_base
 from ..site import NO_CALL, OpCall, Site
 from .entries import Entry, Graph
+from .hookless import Cursor, Hookless, first_shape, no_hooks_on, root_key
 from .regions import Region
 from .replay import FirstSaves, Recorder, Replayer, Trace
 from .tally import Tally
@@ -52,6 +54,9 @@ class ModuleInfo:
 
 
 NO_MODULE = ModuleInfo("", "", "", -1, frozenset())
+
+#: the root module's call: the module, its positional and keyword arguments
+Root = tuple[object, tuple[Any, ...], "dict[str, Any] | None"]
 
 
 def recomputing() -> bool:
@@ -154,6 +159,8 @@ class ThreadState(threading.local):
         #: calls of a compiled model running (their graphs save through graph hooks:
         #: :mod:`torchstash.graphhooks`): the engine stays out of them
         self.graphed = 0
+        #: where a hookless forward is in its trace (:mod:`.hookless`), or None
+        self.lean: Cursor | None = None
 
 
 class Scoping:
@@ -163,6 +170,8 @@ class Scoping:
     _skip: set[int]
     _skip_ptrs: Callable[[], set[int]] | None
     _tally: Tally
+    _state_key: Callable[[], Any] | None
+    _hookless: bool
     dedupe: bool
     replayer: Replayer
 
@@ -191,15 +200,20 @@ class Scoping:
         with self._activation():
             yield
 
-    def _activation(self) -> Closer:
+    def _activation(self, root: Root | None = None) -> Closer:
         """Enter the hooks and the op tracker; the returned closer exits them. An outermost
         activation either records (the full path, op tracker on) or replays a recorded
         trace (hooks only: :mod:`.replay`, and a :class:`Replaying` closer, which runs at
         every step's start and end when the interpreter's caches are cold from the model's
-        kernels: every line there costs microseconds)."""
+        kernels: every line there costs microseconds), or with ``root`` (the root module's
+        call) and a lean trace, no hook at all (:mod:`.hookless`)."""
         tls = self._tls
         outermost = tls.active == 0
         if outermost:
+            if root is not None and self._hookless and self._go_hookless(tls, root):
+                tls.active += 1
+                OP_STATE.engines += 1
+                return Hookless(self._deactivate)
             tls.calls.clear()
             tls.op_counts.clear()
             tls.graph = Graph()
@@ -212,6 +226,8 @@ class Scoping:
             tls.replaying = trace
             recording = trace is None and self.replayer.wants_recording()
             tls.recorder = Recorder.start(self.tally) if recording else None
+            if tls.recorder is not None and root is not None and self._hookless:
+                tls.recorder.root = root_key(root[1], root[2], self._state_key)
             if trace is not None:
                 tls.position = 0
                 tls.bases = FirstSaves()
@@ -241,13 +257,70 @@ class Scoping:
             enter_tracker(stack)
         return stack
 
+    def _go_hookless(self, tls: ThreadState, root: Root) -> bool:
+        """Whether this forward runs with no hook (:mod:`.hookless`): its root call the
+        recorded one and the replayer agreeing; if so it is set up to."""
+        replayer = self.replayer
+        trace = replayer.trace
+        owner, args, kwargs = root
+        if trace is None or not trace.lean or not trace.calls:
+            return False
+        ref, training, shape, _ = trace.calls[0]
+        if ref() is not owner or owner.training != training or first_shape(args) != shape:
+            return False
+        if not no_hooks_on():  # another's hooks would take the saves
+            return False
+        if not replayer.goes_hookless(trace, lambda: root_key(args, kwargs, self._state_key)):
+            return False
+        replayer.bind(self.tally, self._state, self._replay_code)
+        tls.calls.clear()
+        tls.graph = None
+        tls.missed = False
+        tls.replaying = None
+        tls.recorder = None
+        tls.lean = Cursor(trace, trace.calls)
+        tls.skip = None
+        return True
+
+    def _leave_hookless(self, tls: ThreadState) -> None:
+        """A hookless forward's module call is not the recorded one (a guard miss): the
+        saves so far count as the trace says, the module calls running get their frames,
+        and the engine's hooks keep and count the rest of the forward as it goes (when
+        another's are on, that part is left to them, and not counted)."""
+        cursor = tls.lean
+        assert cursor is not None
+        trace, calls, i = cursor.trace, cursor.calls, cursor.position
+        self.replayer.count_prefix(trace, calls[i][3] if i < len(calls) else len(trace.moves))
+        self.replayer.miss()
+        tls.lean = None
+        tls.missed = True
+        made = [c[0]() for c in calls[:i]]
+        tls.calls.clear()
+        for m in made:
+            tls.calls[id(m)] += 1
+        for info, owner, position in cursor.stack:
+            call = sum(1 for m in made[:position] if m is owner)
+            tls.frames.append(Frame(info, call, owner))
+        root = tls.frames[0].exit if tls.frames else None
+        if isinstance(root, Hookless):
+            root.hook(self.pack, self.unpack)
+
     def _deactivate(self) -> None:
         tls = self._tls
         tls.active -= 1
         OP_STATE.engines -= 1
         if tls.active:
             return
-        if tls.replaying is not None:
+        if tls.lean is not None:
+            cursor, tls.lean = tls.lean, None
+            trace, i = cursor.trace, cursor.position
+            if i == len(cursor.calls):
+                self.replayer.count_whole(trace)
+                self.replayer.hookless += 1
+            else:  # module calls the recording made did not run
+                self.replayer.count_prefix(trace, cursor.calls[i][3])
+                self.replayer.miss()
+        elif tls.replaying is not None:
             self.replayer.finish_replay(tls)
             tls.replaying = None
             tls.entries = {}
@@ -279,22 +352,55 @@ class Scoping:
         finally:
             tls.graphed -= 1
 
-    def enter_module(self, info: ModuleInfo, owner: object) -> None:
-        """Called before a module's forward: activates the engine if this is the outermost call."""
+    def enter_module(
+        self,
+        info: ModuleInfo,
+        owner: object,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """Called before a module's forward (``args`` and ``kwargs``: its call's): activates
+        the engine if this is the outermost call."""
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return
         tls = self._tls
+        cursor = tls.lean
+        if cursor is not None:  # a hookless forward: its call guard only
+            i = cursor.position
+            expected = cursor.calls
+            if i < len(expected):
+                ref, training, shape, _ = expected[i]
+                first = args[0] if args else None  # first_shape(args), inline: every call
+                if (
+                    ref() is owner
+                    and owner.training is training
+                    and (first.shape if isinstance(first, torch.Tensor) else None) == shape
+                ):
+                    cursor.position = i + 1
+                    cursor.stack.append((info, owner, i))
+                    return
+            self._leave_hookless(tls)
         if tls.graphed:
             return
         if not tls.active and recomputing():
             return
-        exit_stack = None if tls.active else self._activation()
+        exit_stack = None if tls.active else self._activation((owner, args, kwargs))
         if exit_stack is not None:
             exit_stack.__enter__()
         calls, key = tls.calls, id(owner)
         call = calls.get(key, 0)
         calls[key] = call + 1
         frame = Frame(info, call, owner, exit_stack)
+        rec = tls.recorder
+        if rec is not None and not tls.missed:
+            rec.calls.append(
+                (
+                    weakref.ref(owner),
+                    bool(getattr(owner, "training", True)),
+                    first_shape(args),
+                    len(rec.moves),
+                )
+            )
         if exit_stack is None:
             if tls.recorder is not None:
                 frame.counts = dict(tls.op_counts)
@@ -326,7 +432,14 @@ class Scoping:
 
     def exit_module(self, owner: object) -> None:
         """Called after a module's forward (also when it raised): pops its frame and above."""
-        frames = self._tls.frames
+        tls = self._tls
+        cursor = tls.lean
+        if cursor is not None:
+            stack = cursor.stack
+            if stack and stack[-1][1] is owner:  # a hookless forward's module call
+                stack.pop()
+                return
+        frames = tls.frames
         if frames and frames[-1].owner is owner and frames[-1].exit is None:
             frames.pop()  # the usual case: the innermost frame, not the outermost
             return
