@@ -331,3 +331,91 @@ def test_a_trace_with_a_code_keeps_its_hooks() -> None:
         assert replayer.trace is not None and not replayer.trace.lean
         assert (replayer.replayed, replayer.hookless) == (4, 0)
         assert handle.tally.stored_bytes < handle.tally.raw_bytes
+
+
+class ConvNet(nn.Module):
+    """Conv-BN-ReLU twice, then a mean: under memsave the last ReLU's mask is a code no later
+    save stands in for (a mean saves nothing), so its module call keeps the hooks on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.one = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.two = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.head = nn.Linear(8, 4)
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.one(x)
+        if not self.skip:
+            h = self.two(h)
+        return self.head(h.mean((2, 3)))
+
+
+@pytest.fixture
+def convnet() -> Iterator[Pair]:
+    pytest.importorskip("torchstash_memsave")
+    pair = Pair(ConvNet, "memsave")
+    yield pair
+    pair.close()
+
+
+def test_a_module_call_holding_a_code_keeps_its_hooks_and_the_rest_goes_without(
+    convnet: Pair,
+) -> None:
+    x = torch.randn(2, 3, 8, 8)
+    for i in range(3):
+        convnet.step(x, seed=i)
+    trace = convnet.replayer.trace
+    assert trace is not None and trace.lean and len(trace.islands) == 1
+    ((start, end, _),) = trace.islands.values()
+    assert [m.kind for m in trace.moves[start:end]] == ["code"]
+    for i in range(4):
+        assert convnet.step(x, seed=i) == 1  # the ReLU's save alone, behind its guard
+    assert (convnet.replayer.hookless, convnet.replayer.missed) == (4, 0)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_a_save_that_misses_inside_a_hooked_call_counts_the_rest_one_by_one(
+    convnet: Pair,
+) -> None:
+    """A channels-last batch (the same shapes, other strides) reaches the ReLU's code in
+    another layout: its guard misses inside the call."""
+    x = torch.randn(2, 3, 8, 8)
+    for i in range(4):
+        convnet.step(x, seed=i)
+    assert convnet.replayer.hookless == 1
+    y = x.contiguous(memory_format=torch.channels_last)
+    convnet.handle.tally.reset()
+    convnet.ref_handle.tally.reset()
+    grads = []
+    for m in (convnet.stock, convnet.model, convnet.ref):
+        m.zero_grad(set_to_none=True)
+        m(y).float().square().sum().backward()
+        grads.append([p.grad.clone() for p in m.parameters() if p.grad is not None])
+    for got in grads[1:]:
+        for a, b in zip(grads[0], got, strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert convnet.replayer.missed == 1
+    got, want = counted(convnet.handle.tally), counted(convnet.ref_handle.tally)
+    assert {k: r[0] for k, r in got[0].items()} == {k: r[0] for k, r in want[0].items()}
+    assert want[1] <= got[1] <= 2 * want[1]
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    for i in range(4):
+        convnet.step(x, seed=i)
+    assert convnet.step(x) == 1
+
+
+def test_a_hooked_call_skipped_is_a_guard_miss(convnet: Pair) -> None:
+    x = torch.randn(2, 3, 8, 8)
+    for i in range(4):
+        convnet.step(x, seed=i)
+    convnet.each(lambda m: setattr(m, "skip", True))
+    convnet.step(x, missed_inside=True)
+    assert convnet.replayer.missed == 1
+    for i in range(4):
+        convnet.step(x, seed=i)
+    convnet.each(lambda m: setattr(m, "skip", False))
+    convnet.step(x, missed_inside=True)
+    for i in range(4):
+        convnet.step(x, seed=i)
+    assert convnet.step(x) == 1

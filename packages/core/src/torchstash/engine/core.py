@@ -298,6 +298,7 @@ class Engine(Scoping, Recomputation):
             site.op if site is not None else "",
             reason,
             stack=tuple(self._tls.frames),
+            at=frame.position if frame is not None else -1,
         )
 
     def _note_shared(
@@ -376,6 +377,11 @@ class Engine(Scoping, Recomputation):
         self.replayer.miss()
         tls.replaying = None
         tls.missed = True
+        cursor = tls.lean
+        if cursor is not None and cursor.island is not None:  # a hookless forward's island
+            hooks = cursor.island[2]
+            cursor.island = None
+            self._unlean(tls, hooks)
 
     def _keep_missed(self, t: torch.Tensor) -> Saved:
         """A save after a guard miss, with no op tracker running: kept as it is, exact, and

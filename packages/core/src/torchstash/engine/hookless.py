@@ -4,7 +4,9 @@ saved-tensor hook at all.
 A trace whose every move is a parameter, a tensor kept as is, or a second save of one
 (``none``; ``memsave`` where its layers code nothing; any strategy on a model whose tensors are
 all under ``min_bytes``) changes nothing a hook could change: autograd would hold exactly what
-it holds with no hook. Such a forward, once its trace has replayed whole behind every per-save
+it holds with no hook. Where a few module calls hold codes (memsave's ReLU masks that no later
+save stands in for), those calls alone run with the hooks on, each save replayed behind its
+guard (:func:`~.replay.hooked_calls` says which, and when a trace cannot). Such a forward, once its trace has replayed whole behind every per-save
 guard, runs hookless: stock PyTorch saves, checks versions and restores, and the engine adds
 the trace's totals to the tally at the end, as a guarded replay of the same saves does. Stock's
 host cost per saved tensor is then the engine's: the empty-hooks row of the speed bench costs
@@ -100,13 +102,17 @@ class Cursor:
     call, and the module calls running (info, module, position), whose frames a guard miss
     makes."""
 
-    __slots__ = ("calls", "position", "stack", "trace")
+    __slots__ = ("calls", "island", "islands", "position", "stack", "trace")
 
     def __init__(self, trace: Any, calls: tuple[Call, ...]) -> None:
         self.trace = trace
         self.calls = calls
         self.position = 1  # the root's call is checked as the forward starts
         self.stack: list[tuple[Any, object, int]] = []
+        #: the trace's module calls that run with the hooks on (``Trace.islands``), and the
+        #: one running: its module, its end move and its hooks
+        self.islands: dict[int, tuple[int, int, int]] = trace.islands
+        self.island: tuple[object, int, Any] | None = None
 
 
 class Hookless:

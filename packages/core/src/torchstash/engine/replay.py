@@ -141,6 +141,8 @@ class Move:
     #: a CODE move's encoder (:func:`~torchstash.compressor.encoder_of`), made on its first
     #: replayed save
     encode: Encoder | None = None
+    #: the position of the innermost module call running, among the forward's calls
+    at: int = -1
 
     def signature(self) -> tuple[Any, ...]:
         owner = self.owner() if self.owner is not None else None
@@ -226,6 +228,8 @@ class Recorder:
     #: (:mod:`.hookless`)
     calls: list[Call] = field(default_factory=list)
     root: tuple[Any, ...] | None = None
+    #: by call position, the moves and the calls made when that call returned
+    ends: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
     def start(cls, tally: Tally) -> Recorder:
@@ -321,6 +325,9 @@ class Trace:
     calls: tuple[Call, ...] = ()
     root: tuple[Any, ...] | None = None
     lean: bool = False
+    #: in a hookless forward, the module calls that run with the hooks on, replayed behind
+    #: every save's guard: call position -> (first move, end move, the module's call number)
+    islands: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
     def may_replay(self) -> bool:
         """Whether the next forward may follow it (each asker agrees)."""
@@ -422,12 +429,7 @@ class Replayer:
             for m in rec.moves
             if m.compressor is not None and hasattr(m.compressor, "replays_next")
         }
-        lean = (
-            not regions
-            and not askers
-            and bool(rec.calls)
-            and all(m.kind in (PARAM, KEEP, SHARED) and not m.full for m in rec.moves)
-        )
+        islands = None if regions or askers or not rec.calls else hooked_calls(rec)
         self.trace = Trace(
             tuple(rec.moves),
             totals,
@@ -436,7 +438,8 @@ class Replayer:
             regions,
             tuple(rec.calls),
             rec.root,
-            lean,
+            islands is not None,
+            islands or {},
         )
         self.steady = False
 
@@ -626,6 +629,45 @@ class Replayer:
                 row.derived += 1
             if m.reason:
                 row.declined[m.reason] += 1
+
+
+def hooked_calls(rec: Recorder) -> dict[int, tuple[int, int, int]] | None:
+    """The module calls a hookless forward of ``rec`` runs with the hooks on (its
+    :attr:`Trace.islands`), or None when it cannot go hookless. A move that keeps no tensor as
+    it is (a code, a recomputed output) needs its save's hook: its innermost module call gets
+    the hooks, when that call runs no module inside it, is not the root, and its saves read no
+    save made outside it (a storage shared with one, an operand), and no save outside it reads
+    one of its own; those calls hold at most half the forward's saves."""
+    moves, calls = rec.moves, rec.calls
+    islands: dict[int, tuple[int, int, int]] = {}
+    for m in moves:
+        if m.full:
+            return None
+        if m.kind in (PARAM, KEEP, SHARED) or m.at in islands:
+            continue
+        p = m.at
+        if p <= 0 or p not in rec.ends:
+            return None  # outside any module, in the root's own code, or never returned
+        end, made = rec.ends[p]
+        if made != p + 1:
+            return None  # a module call runs inside it
+        owner = calls[p][0]()
+        number = sum(1 for c in calls[:p] if c[0]() is owner)
+        islands[p] = (calls[p][3], end, number)
+    inside = [False] * len(moves)
+    for start, end, _ in islands.values():
+        inside[start:end] = [True] * (end - start)
+    for start, end, _ in islands.values():
+        for m in moves[start:end]:
+            reads = (m.alias, *m.deps) if m.kind != SHARED else (m.alias, m.shares, *m.deps)
+            if any(0 <= r < start for r in reads):
+                return None
+    for j, m in enumerate(moves):
+        if not inside[j] and m.kind == SHARED and inside[m.shares]:
+            return None
+    if 2 * sum(inside) > len(moves):
+        return None
+    return islands
 
 
 def is_state(t: torch.Tensor, state: Callable[[], set[int]]) -> bool:

@@ -121,6 +121,8 @@ class Frame:
     exit: Closer | None = None
     #: while recording: the forward's op counts when the call began (a region's, replayed)
     counts: dict[str, int] | None = None
+    #: while recording: the call's position among the forward's module calls
+    position: int = -1
 
 
 class ThreadState(threading.local):
@@ -274,7 +276,7 @@ class Scoping:
             return False
         replayer.bind(self.tally, self._state, self._replay_code)
         tls.calls.clear()
-        tls.graph = None
+        tls.graph = Graph() if trace.islands else None
         tls.missed = False
         tls.replaying = None
         tls.recorder = None
@@ -284,26 +286,83 @@ class Scoping:
 
     def _leave_hookless(self, tls: ThreadState) -> None:
         """A hookless forward's module call is not the recorded one (a guard miss): the
-        saves so far count as the trace says, the module calls running get their frames,
-        and the engine's hooks keep and count the rest of the forward as it goes (when
-        another's are on, that part is left to them, and not counted)."""
+        saves so far count as the trace says, and the rest of the forward is the full path's
+        after a miss (:meth:`_unlean`)."""
         cursor = tls.lean
         assert cursor is not None
         trace, calls, i = cursor.trace, cursor.calls, cursor.position
         self.replayer.count_prefix(trace, calls[i][3] if i < len(calls) else len(trace.moves))
         self.replayer.miss()
+        self._unlean(tls)
+
+    def _unlean(self, tls: ThreadState, hooks: Any = None) -> None:
+        """A hookless forward left its trace (counted up to there): the module calls running
+        get their frames, and the engine's hooks (``hooks``: an island's, on already) keep and
+        count the rest of the forward as it goes (when another's are on, that part is left
+        to them, and not counted)."""
+        cursor = tls.lean
+        assert cursor is not None
+        calls, i = cursor.calls, cursor.position
         tls.lean = None
         tls.missed = True
         made = [c[0]() for c in calls[:i]]
         tls.calls.clear()
         for m in made:
             tls.calls[id(m)] += 1
-        for info, owner, position in cursor.stack:
-            call = sum(1 for m in made[:position] if m is owner)
-            tls.frames.append(Frame(info, call, owner))
+        running = [
+            Frame(info, sum(1 for m in made[:position] if m is owner), owner)
+            for info, owner, position in cursor.stack
+        ]
+        tls.frames[1:1] = running  # between the root's and an island's
         root = tls.frames[0].exit if tls.frames else None
         if isinstance(root, Hookless):
-            root.hook(self.pack, self.unpack)
+            if hooks is not None:
+                root.hooks = hooks  # taken off when the forward ends
+            else:
+                root.hook(self.pack, self.unpack)
+
+    def _enter_island(
+        self, tls: ThreadState, cursor: Cursor, info: ModuleInfo, owner: object, at: int
+    ) -> None:
+        """A hookless forward enters a module call that runs with the hooks on: its saves
+        replayed behind their guards from the move the call starts at."""
+        start, end, number = cursor.islands[at]
+        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        hooks.__enter__()
+        cursor.island = (owner, end, hooks)
+        tls.replaying = cursor.trace
+        tls.position = start
+        tls.bases = FirstSaves()
+        tls.entries = {}
+        tls.keys = {}
+        tls.nodes = {}
+        tls.frames.append(Frame(info, number, owner))
+
+    def _leave_island(self, tls: ThreadState, cursor: Cursor) -> None:
+        """The module call with the hooks on returned: hookless again if it made every save
+        it recorded, else a miss (counted up to there)."""
+        island = cursor.island
+        assert island is not None
+        cursor.island = None
+        _, end, hooks = island
+        tls.frames.pop()
+        done = tls.position
+        tls.replaying = None
+        tls.entries = {}
+        tls.keys = {}
+        tls.nodes = {}
+        if done == end:
+            hooks.__exit__(None, None, None)
+            return
+        self.replayer.count_prefix(cursor.trace, min(done, end))
+        self.replayer.miss()
+        self._unlean(tls, hooks)
+
+    def _returned(self, tls: ThreadState, frame: Frame) -> None:
+        """A recorded module call returned: the moves and calls made by then."""
+        rec = tls.recorder
+        if rec is not None:
+            rec.ends[frame.position] = (len(rec.moves), len(rec.calls))
 
     def _deactivate(self) -> None:
         tls = self._tls
@@ -314,7 +373,12 @@ class Scoping:
         if tls.lean is not None:
             cursor, tls.lean = tls.lean, None
             trace, i = cursor.trace, cursor.position
-            if i == len(cursor.calls):
+            if cursor.island is not None:  # left by the root's exit: saves unknown
+                cursor.island[2].__exit__(None, None, None)
+                tls.replaying = None
+                self.replayer.count_prefix(trace, min(tls.position, cursor.island[1]))
+                self.replayer.miss()
+            elif i == len(cursor.calls):
                 self.replayer.count_whole(trace)
                 self.replayer.hookless += 1
             else:  # module calls the recording made did not run
@@ -376,9 +440,14 @@ class Scoping:
                     and owner.training is training
                     and (first.shape if isinstance(first, torch.Tensor) else None) == shape
                 ):
-                    cursor.position = i + 1
-                    cursor.stack.append((info, owner, i))
-                    return
+                    if i not in cursor.islands:
+                        cursor.position = i + 1
+                        cursor.stack.append((info, owner, i))
+                        return
+                    if no_hooks_on():
+                        cursor.position = i + 1
+                        self._enter_island(tls, cursor, info, owner, i)
+                        return
             self._leave_hookless(tls)
         if tls.graphed:
             return
@@ -393,6 +462,7 @@ class Scoping:
         frame = Frame(info, call, owner, exit_stack)
         rec = tls.recorder
         if rec is not None and not tls.missed:
+            frame.position = len(rec.calls)
             rec.calls.append(
                 (
                     weakref.ref(owner),
@@ -439,14 +509,23 @@ class Scoping:
             if stack and stack[-1][1] is owner:  # a hookless forward's module call
                 stack.pop()
                 return
+            island = cursor.island
+            if island is not None and island[0] is owner:
+                self._leave_island(tls, cursor)
+                return
         frames = tls.frames
         if frames and frames[-1].owner is owner and frames[-1].exit is None:
-            frames.pop()  # the usual case: the innermost frame, not the outermost
+            frame = frames.pop()  # the usual case: the innermost frame, not the outermost
+            if frame.position >= 0:
+                self._returned(tls, frame)
             return
         for i in range(len(frames) - 1, -1, -1):
             if frames[i].owner is owner:
                 popped = frames[i:]
                 del frames[i:]
+                for f in popped:
+                    if f.position >= 0:
+                        self._returned(tls, f)
                 for f in reversed(popped):
                     if f.exit is not None:
                         f.exit.close()
