@@ -18,14 +18,6 @@ from torchstash.engine.tally import Tally
 from torchstash.testing.replay import tally_rows
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class Blocks(nn.Module):
     """Three blocks; ``skip`` leaves the middle one out, ``cut`` slices the batch inside the
     forward (a data-dependent shape no module call shows), ``frozen`` freezes the last."""
