@@ -373,7 +373,8 @@ class Engine(Scoping, Recomputation):
         trace = tls.replaying
         assert trace is not None
         tls.scratch = None  # in a region: the rest counts in the engine's tally
-        self.replayer.count_prefix(trace, tls.position - 1)
+        tls.counted = tls.position - 1
+        self.replayer.count_prefix(trace, tls.counted)
         self.replayer.miss()
         tls.replaying = None
         tls.missed = True
@@ -396,6 +397,7 @@ class Engine(Scoping, Recomputation):
         row.saved += 1
         row.ops["?"] += 1
         entry = self._store(t, site, row, None, MISSED_REASON)
+        self._counted_before_miss(t, entry)
         self._count(t, entry, row)
         graph = self._tls.graph
         if graph is not None:
@@ -403,6 +405,25 @@ class Engine(Scoping, Recomputation):
             graph.entries.append(weakref.ref(entry))
         entry.pending += 1
         return Saved(entry)
+
+    def _counted_before_miss(self, t: torch.Tensor, entry: Entry) -> None:
+        """A save after a miss over the storage of a replayed save before it (the next
+        layer's input, an activation's output): the trace counted that storage in stock's
+        bytes, and in the stored bytes where its entry keeps the tensor; claimed for
+        ``entry`` here, :meth:`_count` adds it once, as the full path would."""
+        tls = self._tls
+        if not t.numel():
+            return
+        j = tls.bases.bases.get(storage_base(t), -1)
+        if not 0 <= j < tls.counted:
+            return
+        tally = self.tally
+        coded = tls.bases.coded.get(j)
+        if coded is None:  # kept as it is: stock's bytes and ours
+            tally.raw_storages.count(t, entry)
+            tally.stored_storages.count(t, entry)
+        elif coded() is not None:  # a code of the same storage: stock's bytes only
+            tally.raw_storages.count(t, entry)
 
     def _count(self, t: torch.Tensor, entry: Entry, row: Row) -> None:
         """Count a new entry: ``t``'s storage in stock's bytes, whole and once (a view or

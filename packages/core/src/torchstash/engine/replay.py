@@ -448,6 +448,7 @@ class Replayer:
         self.trace = None
         self._last = None
         self.steady = False
+        self._checking = False
 
     def goes_hookless(self, trace: Trace, root: Callable[[], tuple[Any, ...]]) -> bool:
         """Whether this forward follows ``trace`` with no hook (:mod:`.hookless`): a lean

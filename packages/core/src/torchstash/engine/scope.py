@@ -148,8 +148,10 @@ class ThreadState(threading.local):
         self.keys: dict[int, tuple[Any, ...]] = {}
         #: by position, the autograd nodes of the operands later recomputed saves read
         self.nodes: dict[int, Any] = {}
-        #: a replayed save missed its guard: the rest of this forward is kept as is
+        #: a replayed save missed its guard: the rest of this forward is kept as is; the
+        #: saves before the miss, which the trace counted
         self.missed = False
+        self.counted = 0
         #: parameters' and buffers' addresses (None: not read yet this forward)
         self.skip: set[int] | None = None
         #: the region being replayed down the full path (:mod:`.regions`), and the tally
@@ -220,6 +222,7 @@ class Scoping:
             tls.op_counts.clear()
             tls.graph = Graph()
             tls.missed = False
+            tls.counted = 0
             self.replayer.bind(self.tally, self._state, self._replay_code)
             trace = self.replayer.trace
             if trace is not None and not trace.may_replay():
@@ -278,6 +281,8 @@ class Scoping:
         tls.calls.clear()
         tls.graph = Graph() if trace.islands else None
         tls.missed = False
+        tls.counted = 0
+        tls.bases = FirstSaves()
         tls.replaying = None
         tls.recorder = None
         tls.lean = Cursor(trace, trace.calls)
@@ -291,7 +296,8 @@ class Scoping:
         cursor = tls.lean
         assert cursor is not None
         trace, calls, i = cursor.trace, cursor.calls, cursor.position
-        self.replayer.count_prefix(trace, calls[i][3] if i < len(calls) else len(trace.moves))
+        tls.counted = calls[i][3] if i < len(calls) else len(trace.moves)
+        self.replayer.count_prefix(trace, tls.counted)
         self.replayer.miss()
         self._unlean(tls)
 
@@ -354,7 +360,8 @@ class Scoping:
         if done == end:
             hooks.__exit__(None, None, None)
             return
-        self.replayer.count_prefix(cursor.trace, min(done, end))
+        tls.counted = min(done, end)
+        self.replayer.count_prefix(cursor.trace, tls.counted)
         self.replayer.miss()
         self._unlean(tls, hooks)
 
