@@ -17,7 +17,8 @@ CSRC_DIR = "TORCHSTASH_CSRC_DIR"
 #: pure-PyTorch reference (default 600).
 KERNEL_LOCK_WAIT = "TORCHSTASH_KERNEL_LOCK_WAIT"
 #: ``off`` keeps the engine's saved-tensor hooks on every forward, where a steady trace that
-#: only keeps tensors would run without them (:mod:`torchstash.engine.hookless`).
+#: only keeps tensors would run without them (:mod:`torchstash.engine.hookless`); read when a
+#: model is applied.
 HOOKLESS = "TORCHSTASH_HOOKLESS"
 
 
