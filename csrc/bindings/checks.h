@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -156,6 +157,30 @@ inline groupquant::FloatKind check_channel_minmax(const at::Tensor& x, std::int6
   check_inner(op, inner);
   TORCH_CHECK_VALUE(channels >= 1, "torchstash::", op, ": channels must be >= 1 (got ", channels, ")");
   check_channel_layout(op, "x", x.numel(), inner, channels);
+  return kind;
+}
+
+// quant.mesa's fused pack: x as for channel_minmax, 1 <= groups <= channels, and the running
+// range (if any) float32 (2, groups) on x's device.
+inline groupquant::FloatKind check_mesa_quantize(const at::Tensor& x, std::int64_t inner, std::int64_t channels,
+                                                 std::int64_t groups, const std::optional<at::Tensor>& running) {
+  constexpr const char* op = "mesa_quantize";
+  const groupquant::FloatKind kind = float_kind(op, "x", x.scalar_type());
+  check_inner(op, inner);
+  TORCH_CHECK_VALUE(channels >= 1, "torchstash::", op, ": channels must be >= 1 (got ", channels, ")");
+  TORCH_CHECK_VALUE(groups >= 1 && groups <= channels, "torchstash::", op, ": groups must be in [1, channels = ",
+                    channels, "] (got ", groups, ")");
+  check_channel_layout(op, "x", x.numel(), inner, channels);
+  if (running.has_value()) {
+    const at::Tensor& r = *running;
+    TORCH_CHECK_TYPE(r.scalar_type() == at::kFloat, "torchstash::", op, ": running must be float32 (got ",
+                     r.scalar_type(), "); pass the range the previous call returned");
+    TORCH_CHECK_VALUE(r.dim() == 2 && r.size(0) == 2 && r.size(1) == groups, "torchstash::", op,
+                      ": running must have shape (2, groups = ", groups, "), got ", r.sizes(),
+                      "; pass None to start a new range");
+    TORCH_CHECK_VALUE(r.device() == x.device(), "torchstash::", op, ": running is on ", r.device(), " but x is on ",
+                      x.device(), "; keep both on one device");
+  }
   return kind;
 }
 

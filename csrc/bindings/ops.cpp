@@ -13,6 +13,7 @@
 #endif
 
 #include <tuple>
+#include <vector>
 
 #include "checks.h"
 #include "torchstash/bitpack.h"
@@ -147,6 +148,42 @@ std::tuple<at::Tensor, at::Tensor> channel_minmax_cpu(const at::Tensor& x, std::
   cpu::channel_minmax(c.const_data_ptr(), kind, n, inner, channels, mn.mutable_data_ptr<float>(),
                       mx.mutable_data_ptr<float>(), threads_for(n * 4));
   return {mn, mx};
+}
+
+// quant.mesa's pack in one call: the channels' range, the running range and the codes.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mesa_quantize_cpu(
+    const at::Tensor& x, std::int64_t inner, std::int64_t channels, std::int64_t groups,
+    const std::optional<at::Tensor>& running, double decay, std::int64_t seed, bool stochastic) {
+  const groupquant::FloatKind kind = bindings::check_mesa_quantize(x, inner, channels, groups, running);
+  const at::Tensor c = x.contiguous();
+  const std::int64_t n = c.numel();
+  std::vector<float> mn(static_cast<std::size_t>(channels));
+  std::vector<float> mx(static_cast<std::size_t>(channels));
+  cpu::channel_minmax(c.const_data_ptr(), kind, n, inner, channels, mn.data(), mx.data(), threads_for(n * 4));
+  const at::TensorOptions floats = c.options().dtype(at::kFloat);
+  at::Tensor lo = c.new_empty({groups}, floats);
+  at::Tensor step = c.new_empty({groups}, floats);
+  at::Tensor run = c.new_empty({2, groups}, floats);
+  const at::Tensor prev = running.has_value() ? running->contiguous() : at::Tensor();
+  // the scalars as torch rounds them: d * prev + (1 - d) * observed in float32
+  cpu::mesa_range(mn.data(), mx.data(), channels, groups, prev.defined() ? prev.const_data_ptr<float>() : nullptr,
+                  static_cast<float>(decay), static_cast<float>(1.0 - decay), lo.mutable_data_ptr<float>(),
+                  step.mutable_data_ptr<float>(), run.mutable_data_ptr<float>());
+  // each channel's lo and step (its group's)
+  std::vector<float> clo(static_cast<std::size_t>(channels));
+  std::vector<float> cstep(static_cast<std::size_t>(channels));
+  for (std::int64_t ch = 0; ch < channels; ++ch) {
+    clo[ch] = lo.const_data_ptr<float>()[ch * groups / channels];
+    cstep[ch] = step.const_data_ptr<float>()[ch * groups / channels];
+  }
+  at::Tensor codes = c.new_empty({n}, c.options().dtype(at::kByte));
+  prepare_huge_pages(codes.mutable_data_ptr(), n);
+  if (n > 0) {
+    cpu::channel_quantize(c.const_data_ptr(), kind, n, inner, channels, clo.data(), cstep.data(),
+                          static_cast<std::uint64_t>(seed), stochastic, codes.mutable_data_ptr<std::uint8_t>(),
+                          threads_for(n * (stochastic ? 16 : 4)));
+  }
+  return {codes, lo, step, run};
 }
 
 at::Tensor channel_quantize_cpu(const at::Tensor& x, const at::Tensor& lo, const at::Tensor& step, std::int64_t inner,
@@ -427,6 +464,9 @@ TORCH_LIBRARY(torchstash, m) {
       "ScalarType dtype) -> Tensor");
   m.def("channel_minmax(Tensor x, SymInt inner, int channels) -> (Tensor, Tensor)");
   m.def("channel_quantize(Tensor x, Tensor lo, Tensor step, SymInt inner, int seed, bool stochastic) -> Tensor");
+  m.def(
+      "mesa_quantize(Tensor x, SymInt inner, int channels, int groups, Tensor? running, float decay, int seed, "
+      "bool stochastic) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("channel_dequantize(Tensor codes, Tensor lo, Tensor step, SymInt inner, ScalarType dtype) -> Tensor");
   m.def("row_center(Tensor x, SymInt run, bool scale) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
@@ -463,6 +503,7 @@ TORCH_LIBRARY_IMPL(torchstash, CPU, m) {
   m.impl("group_dequantize", &torchstash::group_dequantize_cpu);
   m.impl("channel_minmax", &torchstash::channel_minmax_cpu);
   m.impl("channel_quantize", &torchstash::channel_quantize_cpu);
+  m.impl("mesa_quantize", &torchstash::mesa_quantize_cpu);
   m.impl("channel_dequantize", &torchstash::channel_dequantize_cpu);
   m.impl("row_center", &torchstash::row_center_cpu);
   m.impl("row_uncenter", &torchstash::row_uncenter_cpu);

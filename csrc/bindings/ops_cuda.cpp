@@ -2,12 +2,14 @@
 //
 // Validates with the same checks as the CPU bindings, then calls the raw-pointer
 // launchers of csrc/cuda/*.cu on the current stream of the tensor's device.
+#include <ATen/ATen.h>
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <limits>
 #include <tuple>
 
 #include "checks.h"
@@ -128,6 +130,35 @@ at::Tensor channel_quantize_cuda(const at::Tensor& x, const at::Tensor& lo, cons
                                                static_cast<std::uint64_t>(seed), stochastic,
                                                codes.mutable_data_ptr<std::uint8_t>(), current_stream()));
   return codes;
+}
+
+// quant.mesa's pack in one call: the channels' range (kernel), the running range (the
+// reference's ATen ops on one entry per group, so the CPU's bits), the codes (kernel).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mesa_quantize_cuda(
+    const at::Tensor& x, std::int64_t inner, std::int64_t channels, std::int64_t groups,
+    const std::optional<at::Tensor>& running, double decay, std::int64_t seed, bool stochastic) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  bindings::check_mesa_quantize(x, inner, channels, groups, running);
+  auto [gmin, gmax] = channel_minmax_cuda(x, inner, channels);
+  at::Tensor gid;
+  if (groups != channels) {
+    gid = at::div(at::arange(channels, x.options().dtype(at::kLong)) * groups, channels, "floor");
+    const at::TensorOptions floats = x.options().dtype(at::kFloat);
+    gmin = at::full({groups}, std::numeric_limits<float>::infinity(), floats).scatter_reduce(0, gid, gmin, "amin");
+    gmax = at::full({groups}, -std::numeric_limits<float>::infinity(), floats).scatter_reduce(0, gid, gmax, "amax");
+  }
+  const at::Tensor seen = gmin <= gmax;
+  const at::Tensor observed = at::stack({gmin, gmax});
+  const at::Tensor run = running.has_value()
+                             ? at::where(seen, *running * decay + observed * (1.0 - decay), *running)
+                             : at::where(seen, observed, at::Scalar(0.0));
+  at::Tensor lo = at::minimum(run[0], gmin);
+  // divided by a tensor: a host scalar would make CUDA multiply by its reciprocal, not divide
+  at::Tensor step = (at::maximum(run[1], gmax) - lo).clamp_min_(0.0).div_(at::full({}, 252.0f, lo.options()));
+  const at::Tensor clo = gid.defined() ? lo.index_select(0, gid) : lo;
+  const at::Tensor cstep = gid.defined() ? step.index_select(0, gid) : step;
+  at::Tensor codes = channel_quantize_cuda(x, clo, cstep, inner, seed, stochastic);
+  return {codes, lo, step, run};
 }
 
 at::Tensor channel_dequantize_cuda(const at::Tensor& codes, const at::Tensor& lo, const at::Tensor& step,
@@ -363,6 +394,7 @@ TORCH_LIBRARY_IMPL(torchstash, CUDA, m) {
   m.impl("group_dequantize", &torchstash::group_dequantize_cuda);
   m.impl("channel_minmax", &torchstash::channel_minmax_cuda);
   m.impl("channel_quantize", &torchstash::channel_quantize_cuda);
+  m.impl("mesa_quantize", &torchstash::mesa_quantize_cuda);
   m.impl("channel_dequantize", &torchstash::channel_dequantize_cuda);
   m.impl("row_center", &torchstash::row_center_cuda);
   m.impl("row_uncenter", &torchstash::row_uncenter_cuda);

@@ -395,5 +395,54 @@ void channel_dequantize(const std::uint8_t* codes, index_t n, index_t inner, ind
   }
 }
 
+namespace {
+
+// torch.minimum / torch.maximum of two floats: NaN if either is NaN.
+float minimum_nan(float a, float b) {
+  if (a != a || b != b) return groupquant::bits_float(0x7FC00000u);
+  return b < a ? b : a;
+}
+
+float maximum_nan(float a, float b) {
+  if (a != a || b != b) return groupquant::bits_float(0x7FC00000u);
+  return b > a ? b : a;
+}
+
+}  // namespace
+
+void mesa_range(const float* mn, const float* mx, index_t channels, index_t groups, const float* prev, float decay,
+                float rest, float* lo, float* step, float* run) {
+  const float inf = groupquant::bits_float(0x7F800000u);
+  std::vector<float> gmin(static_cast<std::size_t>(groups), inf);
+  std::vector<float> gmax(static_cast<std::size_t>(groups), -inf);
+  for (index_t c = 0; c < channels; ++c) {
+    const index_t g = c * groups / channels;
+    gmin[g] = mn[c] < gmin[g] ? mn[c] : gmin[g];
+    gmax[g] = mx[c] > gmax[g] ? mx[c] : gmax[g];
+  }
+  for (index_t g = 0; g < groups; ++g) {
+    const bool seen = gmin[g] <= gmax[g];
+    float run_lo = 0.0f;
+    float run_hi = 0.0f;
+    if (prev != nullptr) {
+      // two products, then their sum (no FMA: -ffp-contract=off), as torch's three ops
+      const float blend_lo = decay * prev[g] + rest * gmin[g];
+      const float blend_hi = decay * prev[groups + g] + rest * gmax[g];
+      run_lo = seen ? blend_lo : prev[g];
+      run_hi = seen ? blend_hi : prev[groups + g];
+    } else if (seen) {
+      run_lo = gmin[g];
+      run_hi = gmax[g];
+    }
+    run[g] = run_lo;
+    run[groups + g] = run_hi;
+    const float l = minimum_nan(run_lo, gmin[g]);
+    float width = maximum_nan(run_hi, gmax[g]) - l;
+    width = width != width || width >= 0.0f ? width : 0.0f;  // clamp_min(0), NaN kept
+    lo[g] = l;
+    step[g] = width / channelquant::kTop;
+  }
+}
+
 }  // namespace cpu
 }  // namespace torchstash

@@ -102,6 +102,15 @@ void channel_quantize(const void* x, groupquant::FloatKind kind, index_t n, inde
                       const float* lo, const float* step, std::uint64_t seed, bool stochastic, std::uint8_t* codes,
                       int num_threads);
 
+// quant.mesa's running range, on the channels' mn, mx[0, channels) from channel_minmax: channel c
+// is in group c * groups / channels, whose observed min and max are its channels' (+inf, -inf
+// when none is finite), seen when min <= max. run[0, 2 * groups) <- (lo row, hi row): decay *
+// prev + rest * observed where seen, else prev (prev null: observed where seen, else 0);
+// lo[g] <- minimum(run lo, observed min), step[g] <- max(maximum(run hi, observed max) - lo, 0)
+// / 252, NaN propagating, as torch.minimum, maximum and clamp_min compute them.
+void mesa_range(const float* mn, const float* mx, index_t channels, index_t groups, const float* prev, float decay,
+                float rest, float* lo, float* step, float* run);
+
 // out[0, n) (float32, float16 or bfloat16 per `kind`) <- the values of codes[0, n).
 void channel_dequantize(const std::uint8_t* codes, index_t n, index_t inner, index_t channels, const float* lo,
                         const float* step, groupquant::FloatKind kind, void* out, int num_threads);

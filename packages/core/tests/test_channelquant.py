@@ -23,12 +23,14 @@ from torchstash.kernels import (
     channel_dequantize,
     channel_minmax,
     channel_quantize,
+    mesa_quantize,
 )
 from torchstash.kernels.channelquant_reference import (
     channel_dequantize_ref,
     channel_index,
     channel_minmax_ref,
     channel_quantize_ref,
+    mesa_quantize_ref,
 )
 from torchstash.testing.bits import INT_VIEW, assert_bits_equal
 from torchstash.testing.native import build_host_program, run_host_program
@@ -139,6 +141,93 @@ def test_quantize_parity(
     codes = check_parity(device, x, lo, step, inner, seed=outer * 31 + inner, stochastic=stochastic)
     if channels >= 3:  # the constant channel has step 0: every code 0
         assert not bool(codes.view(outer, channels, inner)[:, 2].any())
+
+
+MESA_LAYOUTS = [(1, 1, 1), (37, 13, 3), (6, 5, 64), (2, 130, 7), (999, 7, 1), (4, 256, 16)]
+
+
+@pytest.mark.parametrize("stochastic", [True, False], ids=["stochastic", "nearest"])
+@pytest.mark.parametrize("running", ["none", "running"])
+@pytest.mark.parametrize("layout", MESA_LAYOUTS, ids=[f"{o}x{c}x{i}" for o, c, i in MESA_LAYOUTS])
+def test_mesa_quantize_parity(
+    kernel: None,
+    device: torch.device,
+    layout: tuple[int, int, int],
+    running: str,
+    stochastic: bool,
+) -> None:
+    """quant.mesa's one call: codes, range and running range bit for bit, per channel, per
+    group of channels (64 groups of 130 or 256 channels, 4 of 13) and one group, starting a
+    running range or blending into one (whose unseen groups keep theirs)."""
+    outer, channels, inner = layout
+    x = _data(outer, channels, inner, seed=sum(layout))
+    for groups in sorted({1, channels, min(channels, 64), max(1, channels // 3)}):
+        run = None
+        if running == "running":
+            gen = torch.Generator().manual_seed(groups)
+            run = torch.randn(2, groups, generator=gen).sort(dim=0).values * 4
+        for decay in (0.9, 0.0, 0.37):
+            seed = outer * 31 + groups
+            want = mesa_quantize_ref(x, inner, channels, groups, run, decay, seed, stochastic)
+            got = mesa_quantize(
+                x.to(device),
+                inner,
+                channels,
+                groups,
+                None if run is None else run.to(device),
+                decay,
+                seed=seed,
+                stochastic=stochastic,
+                impl="kernel",
+            )
+            for g, w in zip(got, want, strict=True):
+                assert g.device.type == device.type
+                assert_bits_equal(g, w)
+            if channels >= 3 and groups == channels:  # channel 1 holds no finite value:
+                keep = 0.0 if run is None else run[:, 1]  # its running range is kept
+                assert torch.equal(want[3][:, 1].cpu(), torch.as_tensor(keep).expand(2))
+
+
+def test_mesa_quantize_is_the_two_passes_it_fuses(kernels_on: None) -> None:
+    """Its codes are channel_quantize's with each channel's group's lo and step, and its
+    range is channel_minmax's taken per group: the fused call changes no code."""
+    outer, channels, inner = 5, 130, 6
+    x = _data(outer, channels, inner, seed=3)
+    codes, lo, step, run = mesa_quantize(x, inner, channels, 64, None, 0.9, seed=11)
+    gid = torch.arange(channels) * 64 // channels
+    assert torch.equal(codes, channel_quantize(x, lo[gid], step[gid], inner, seed=11))
+    mn, _ = channel_minmax(x, inner, channels)
+    seen_min = torch.full((64,), INF).scatter_reduce(0, gid, mn, "amin")
+    assert_bits_equal(run[0], torch.where(seen_min.isfinite(), seen_min, 0.0))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mesa_quantize_refuses_bad_arguments(kernels_on: None, impl: Impl) -> None:
+    x = torch.randn(2, 3, 4)
+    with pytest.raises(ValueError, match=r"groups \(4\) must be at most channels \(3\)"):
+        mesa_quantize(x, 4, 3, 4, None, 0.9, seed=0, impl=impl)
+    with pytest.raises(ValueError, match=r"running must be float32 of shape \(2, 3\)"):
+        mesa_quantize(x, 4, 3, 3, torch.zeros(3, 2), 0.9, seed=0, impl=impl)
+    with pytest.raises(ValueError, match=r"not a multiple of inner \* channels \(5 \* 3\)"):
+        mesa_quantize(x, 5, 3, 3, None, 0.9, seed=0, impl=impl)
+    with pytest.raises(TypeError, match=r"x must be one of float32, float16, bfloat16"):
+        mesa_quantize(x.int(), 4, 3, 3, None, 0.9, seed=0, impl=impl)
+
+
+def test_mesa_quantize_op_checks_its_arguments(kernels_on: None) -> None:
+    """The compiled op refuses what ``checked=False`` lets through, naming the argument."""
+    ops = torch.ops.torchstash
+    x = torch.randn(24)
+    with pytest.raises(ValueError, match=r"mesa_quantize: groups must be in \[1, channels = 3\]"):
+        ops.mesa_quantize(x, 8, 3, 4, None, 0.9, 0, True)
+    with pytest.raises(
+        ValueError, match=r"mesa_quantize: running must have shape \(2, groups = 3\)"
+    ):
+        ops.mesa_quantize(x, 8, 3, 3, torch.zeros(2, 2), 0.9, 0, True)
+    with pytest.raises(TypeError, match="mesa_quantize: running must be float32"):
+        ops.mesa_quantize(x, 8, 3, 3, torch.zeros(2, 3, dtype=torch.float64), 0.9, 0, True)
+    with pytest.raises(ValueError, match=r"mesa_quantize: x has 24 elements, not a multiple"):
+        ops.mesa_quantize(x, 5, 3, 3, None, 0.9, 0, True)
 
 
 @pytest.mark.parametrize("seed", [0, 2**32 + 5, 2**63, 2**64 - 1])

@@ -82,6 +82,14 @@ CASES = [
         {0: ("x", X.int()), 3: ("inner", 0)},
     ),
     Case(
+        "mesa_quantize",
+        (X, 64, 4, 2, None, 0.9, 1, True),
+        lambda x, i, c, g, r, d, s, st: K.mesa_quantize(
+            x, i, c, g, r, d, seed=s, stochastic=st, impl="kernel"
+        ),
+        {0: ("x", X.int()), 1: ("inner", 0), 2: ("channels", 0), 3: ("groups", 0)},
+    ),
+    Case(
         "channel_dequantize",
         (CODES_C, LO_C, HI_C, 64, torch.float32),
         lambda *a: K.channel_dequantize(*a, impl="kernel"),

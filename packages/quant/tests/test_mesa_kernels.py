@@ -43,6 +43,17 @@ class LegacyMesa(MesaQuantizer):
         gmax = torch.full((k,), float("-inf"), device=x.device).scatter_reduce(0, gid, cmax, "amax")
         return gmin, gmax
 
+    def _running(self, site: Site, observed: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            prev = self.state.get(site.key)
+            if prev is None or prev.shape != observed.shape or prev.device != observed.device:
+                run = torch.where(seen, observed, 0.0)
+            else:
+                d = self.ema_decay
+                run = torch.where(seen, d * prev + (1 - d) * observed, prev)
+            self.state[site.key] = run
+        return run
+
     def compress(self, x: torch.Tensor, site: Site) -> Packed:
         axis = self._axis(x)
         channels = x.shape[axis]

@@ -68,16 +68,10 @@ EXPECTED = {
         "relu": (["sign_pack"], ["sign_unpack"]),
     },
     "quant.mesa": {
-        # its running range sits between the channel min/max and the codes
-        "values": (["channel_minmax", "channel_quantize"], ["channel_dequantize"]),
-        "batch_norm": (
-            ["row_center", "channel_minmax", "channel_quantize"],
-            ["channel_dequantize", "row_uncenter"],
-        ),
-        "layer_norm": (
-            ["row_center", "channel_minmax", "channel_quantize"],
-            ["channel_dequantize", "row_uncenter"],
-        ),
+        # its running range is updated inside the one call, between the range and the codes
+        "values": (["mesa_quantize"], ["channel_dequantize"]),
+        "batch_norm": (["row_center", "mesa_quantize"], ["channel_dequantize", "row_uncenter"]),
+        "layer_norm": (["row_center", "mesa_quantize"], ["channel_dequantize", "row_uncenter"]),
         "relu": (["sign_pack"], ["sign_unpack"]),
     },
 }

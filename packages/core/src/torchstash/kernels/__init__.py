@@ -3,7 +3,8 @@
 ``pack_bits``/``unpack_bits`` store small integer codes densely, ``philox_uniform``
 draws reproducible random numbers, ``group_quantize``/``group_dequantize`` store floats
 at 1-8 bits with per-group stochastic rounding, ``channel_minmax``/``channel_quantize``/
-``channel_dequantize`` store them at 8 bits with a scale per channel (Mesa's layout),
+``channel_dequantize`` store them at 8 bits with a scale per channel (Mesa's layout;
+``mesa_quantize``: its running range and codes in one call),
 ``fp8_quantize``/``fp8_dequantize`` as e4m3 codes with a scale per group, ``level_quantize``
 rounds values stochastically to a table of a few levels (derivative codes; CPU kernel),
 ``row_center``/``row_uncenter`` take each row's offset off a normalization's input and put it
@@ -27,7 +28,7 @@ from .bitpack import (
     unpack_bits,
     unpack_mask,
 )
-from .channelquant import channel_dequantize, channel_minmax, channel_quantize
+from .channelquant import channel_dequantize, channel_minmax, channel_quantize, mesa_quantize
 from .fp8 import fp8_dequantize, fp8_quantize
 from .groupquant import group_dequantize, group_quantize, group_steps
 from .levelquant import level_quantize
@@ -58,6 +59,7 @@ __all__ = [
     "kernels_in_graph",
     "level_quantize",
     "load",
+    "mesa_quantize",
     "mask_compact",
     "mask_offsets",
     "mask_scatter",

@@ -190,6 +190,15 @@ FAKES: dict[str, Fake] = {
         (_float("x"), _dtype("lo", torch.float32), _dtype("step", torch.float32), _count("inner")),
         lambda a: _empty(a.x, a.x.numel(), torch.uint8),
     ),
+    "mesa_quantize": Fake(
+        (_float("x"), _count("inner"), _count("channels"), _count("groups")),
+        lambda a: (
+            _empty(a.x, a.x.numel(), torch.uint8),
+            _empty(a.x, a.groups, torch.float32),
+            _empty(a.x, a.groups, torch.float32),
+            a.x.new_empty((2, a.groups), dtype=torch.float32),
+        ),
+    ),
     "channel_dequantize": Fake(
         (
             _dtype("codes", torch.uint8),

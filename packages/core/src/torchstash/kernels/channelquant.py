@@ -33,9 +33,10 @@ from .channelquant_reference import (
     channel_dequantize_ref,
     channel_minmax_ref,
     channel_quantize_ref,
+    mesa_quantize_ref,
 )
 
-__all__ = ["channel_dequantize", "channel_minmax", "channel_quantize"]
+__all__ = ["channel_dequantize", "channel_minmax", "channel_quantize", "mesa_quantize"]
 
 _INNER_HINT = (
     "it is the number of consecutive elements of one channel: N * D for the heads of a "
@@ -123,6 +124,64 @@ def channel_quantize(
     return channel_quantize_ref(x, lo, step, inner, seed, stochastic)
 
 
+def mesa_quantize(
+    x: torch.Tensor,
+    inner: int,
+    channels: int,
+    groups: int,
+    running: torch.Tensor | None,
+    decay: float,
+    *,
+    seed: int,
+    stochastic: bool = True,
+    impl: Impl = "auto",
+    checked: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quant.mesa``'s pack in one call: ``(codes, lo, step, run)``.
+
+    The channels' finite range (:func:`channel_minmax`), taken per group of channels (channel
+    ``c`` in group ``c * groups // channels``), blended into the ``running`` range (float32
+    ``(2, groups)``: the lows, then the highs; None starts one) with ``decay``, widened to this
+    tensor's range; ``lo`` and ``step`` per group; the codes as :func:`channel_quantize` makes
+    them with each channel's group's. One pass for the range and one for the codes, where the
+    dozen PyTorch ops on the small vectors between them cost more than the passes on a small
+    tensor. ``checked=False`` leaves the arguments to the compiled op's own checks (a codec's
+    call, once per saved tensor).
+    """
+    op = "mesa_quantize"
+    if checked:
+        x = check_float_tensor(x, "x", op=op)
+        check_count(inner, "inner", op=op, hint=_INNER_HINT)
+        check_count(channels, "channels", op=op, hint="one per head or channel")
+        check_count(groups, "groups", op=op, hint="at most one per channel")
+        if groups > channels:
+            raise ValueError(f"{op}: groups ({groups}) must be at most channels ({channels})")
+        _check_layout(x.numel(), inner, channels, "x", op=op)
+        if running is not None:
+            running = check_tensor(running, "running", op=op)
+            if running.dtype != torch.float32 or tuple(running.shape) != (2, groups):
+                raise ValueError(
+                    f"{op}: running must be float32 of shape (2, {groups}), got "
+                    f"{running.dtype} {tuple(running.shape)}; pass the range the last call "
+                    "returned, or None"
+                )
+            if running.device != x.device:
+                raise ValueError(
+                    f"{op}: running is on {running.device} but x is on {x.device}; "
+                    "keep both on one device"
+                )
+        check_u64(seed, "seed", op=op)
+        check_flag(stochastic, "stochastic", op=op)
+    if use_kernel(impl, x.device):
+        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] = (
+            torch.ops.torchstash.mesa_quantize(
+                x, inner, channels, groups, running, float(decay), as_int64(seed), stochastic
+            )
+        )
+        return out
+    return mesa_quantize_ref(x, inner, channels, groups, running, decay, seed, stochastic)
+
+
 def channel_dequantize(
     codes: torch.Tensor,
     lo: torch.Tensor,
@@ -131,14 +190,17 @@ def channel_dequantize(
     dtype: torch.dtype,
     *,
     impl: Impl = "auto",
+    checked: bool = True,
 ) -> torch.Tensor:
     """The 1-D ``dtype`` tensor of ``codes.numel()`` values that :func:`channel_quantize`
-    encoded (NaN and Inf back where they were)."""
+    encoded (NaN and Inf back where they were). ``checked=False``: as for
+    :func:`mesa_quantize`, for the codec that made the codes."""
     op = "channel_dequantize"
-    codes = check_bytes(codes, "codes", "channel_quantize", op=op)
-    check_count(inner, "inner", op=op, hint=_INNER_HINT)
-    channels = _check_params(lo, step, codes, "codes", op=op)
-    _check_layout(codes.numel(), inner, channels, "codes", op=op)
-    check_float_dtype(dtype, "dtype", op=op)
+    if checked:
+        codes = check_bytes(codes, "codes", "channel_quantize", op=op)
+        check_count(inner, "inner", op=op, hint=_INNER_HINT)
+        channels = _check_params(lo, step, codes, "codes", op=op)
+        _check_layout(codes.numel(), inner, channels, "codes", op=op)
+        check_float_dtype(dtype, "dtype", op=op)
     args = (codes, lo, step, inner, dtype)
     return dispatch("channel_dequantize", impl, codes.device, channel_dequantize_ref, *args)

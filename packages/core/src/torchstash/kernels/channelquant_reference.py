@@ -13,6 +13,14 @@ Bit-exact definition the CPU and CUDA kernels must reproduce (csrc/README.md rep
   ``s = 0`` otherwise (a NaN ``s + u`` gives code 0), ``u`` the element's Philox uniform
   (``philox_uniform(n, seed, 0)[i]``) or 0.5 without stochastic rounding. NaN, +Inf and -Inf
   get the reserved codes 255, 254 and 253. One uint8 code per element (no packing).
+* ``mesa_quantize`` (``quant.mesa``'s pack, one call): the channels' ``channel_minmax``,
+  reduced to ``groups`` groups (channel ``c`` in group ``c * groups // C``: the minimum of its
+  channels' minima, the maximum of their maxima), the running range updated from it
+  (``run = where(seen, decay * running + (1 - decay) * observed, running)`` with ``seen``
+  where the group's minimum <= maximum, the scalars rounded to float32; ``where(seen,
+  observed, 0)`` without a running range), ``lo = minimum(run_lo, min)``, ``step =
+  clamp_min(maximum(run_hi, max) - lo, 0) / 252``, then ``channel_quantize`` with each
+  channel's group's ``lo`` and ``step``. Returns the codes, ``lo``, ``step`` and ``run``.
 * ``channel_dequantize``: ``lo + code * step`` (fp32 multiply, then add), the reserved codes
   mapped back to NaN, +Inf and -Inf, then cast to the output dtype (round to nearest even).
 
@@ -36,6 +44,8 @@ __all__ = [
     "channel_index",
     "channel_minmax_ref",
     "channel_quantize_ref",
+    "group_of_channel",
+    "mesa_quantize_ref",
 ]
 
 #: The highest code of a finite value, and the codes reserved for the non-finite ones.
@@ -117,3 +127,43 @@ def channel_dequantize_ref(
     val = torch.where(c == POS_INF_CODE, float("inf"), val)
     val = torch.where(c == NEG_INF_CODE, float("-inf"), val)
     return val.to(dtype).reshape(-1)
+
+
+def group_of_channel(channels: int, groups: int, device: torch.device | str) -> torch.Tensor:
+    """Each channel's group, ``c * groups // channels`` (int64)."""
+    return torch.arange(channels, device=device) * groups // channels
+
+
+def mesa_quantize_ref(
+    x: torch.Tensor,
+    inner: int,
+    channels: int,
+    groups: int,
+    running: torch.Tensor | None,
+    decay: float,
+    seed: int,
+    stochastic: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes, lo, step, run)``: ``quant.mesa``'s pack of ``x`` in ``groups`` channel groups,
+    its running range ``running`` ((2, groups) float32, or None) updated with ``decay``."""
+    gmin, gmax = channel_minmax_ref(x, inner, channels)
+    gid = None
+    if groups != channels:
+        gid = group_of_channel(channels, groups, x.device)
+        gmin = torch.full((groups,), float("inf"), device=x.device).scatter_reduce(
+            0, gid, gmin, "amin"
+        )
+        gmax = torch.full((groups,), float("-inf"), device=x.device).scatter_reduce(
+            0, gid, gmax, "amax"
+        )
+    seen = gmin <= gmax
+    observed = torch.stack((gmin, gmax))
+    if running is None:
+        run = torch.where(seen, observed, 0.0)
+    else:
+        run = torch.where(seen, decay * running + (1 - decay) * observed, running)
+    lo = torch.minimum(run[0], gmin)
+    step = (torch.maximum(run[1], gmax) - lo).clamp_(min=0.0).div_(LEVELS)
+    lo_c, step_c = (lo, step) if gid is None else (lo[gid], step[gid])
+    codes = channel_quantize_ref(x, lo_c, step_c, inner, seed, stochastic)
+    return codes, lo, step, run
