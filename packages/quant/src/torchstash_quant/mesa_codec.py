@@ -48,8 +48,9 @@ def _inner(shape: torch.Size, axis: int, inverse: tuple[int, ...] | None) -> int
 
 
 def _per_channel(values: torch.Tensor, gid: torch.Tensor | None) -> torch.Tensor:
-    """A per-group vector read per channel (itself when each channel is a group)."""
-    return values if gid is None else values[gid]
+    """A per-group vector read per channel (itself when each channel is a group);
+    ``index_select`` where ``values[gid]`` takes advanced indexing's slower path."""
+    return values if gid is None else values.index_select(0, gid)
 
 
 class MesaQuantizer(BaseCompressor):
