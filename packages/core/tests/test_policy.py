@@ -127,6 +127,29 @@ def test_unknown_type_tag_names_the_rule() -> None:
     ts.apply(GPT.build(), policy=[{"type": "SelfAttention"}, {"type": "conv"}]).remove()
 
 
+@pytest.mark.parametrize(
+    ("text", "value"), [("false", False), ("False", False), ("TRUE", True), ("true", True)]
+)
+def test_parse_spec_reads_booleans_as_a_command_line_writes_them(text: str, value: bool) -> None:
+    """``quant.int8:stochastic=false`` is what a shell user types (Python's ``False`` too);
+    as a string the strategy refused it with "must be True or False"."""
+    from torchstash.policy import parse_spec
+
+    assert parse_spec(f"quant.int8:stochastic={text}") == ("quant.int8", {"stochastic": value})
+
+
+def test_a_spec_with_a_lowercase_boolean_builds() -> None:
+    from torchstash.policy import parse_spec
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    name, options = parse_spec("offload.cpu:pin_memory=false")
+    handle = ts.apply(model, name, **options)
+    try:
+        model(torch.randn(4, 8)).sum().backward()
+    finally:
+        handle.remove()
+
+
 def test_parse_spec_reads_options_as_literals() -> None:
     from torchstash.policy import parse_spec
 

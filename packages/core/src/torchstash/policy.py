@@ -209,11 +209,16 @@ class Policy:
         return cls.from_format(form, text, p.name, registry=reg)
 
 
+#: how a command line spells a boolean option
+_BOOLEANS = {"true": True, "false": False}
+
+
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """``"quant.auto:budget=3;floor=2"`` -> ``("quant.auto", {"budget": 3, "floor": 2})``.
 
     The command-line form of a strategy with options; values are Python literals where they
-    parse as one, strings otherwise.
+    parse as one (``true`` and ``false`` in any case are booleans, as a shell user or a TOML
+    file writes them), strings otherwise.
     """
     name, _, rest = spec.partition(":")
     options: dict[str, Any] = {}
@@ -223,10 +228,14 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
             raise PolicyError(
                 f"strategy {spec!r}: write options as name:key=value;key=value, got {item!r}"
             )
+        text = value.strip()
+        if text.lower() in _BOOLEANS:
+            options[key.strip()] = _BOOLEANS[text.lower()]
+            continue
         try:
-            options[key.strip()] = ast.literal_eval(value.strip())
+            options[key.strip()] = ast.literal_eval(text)
         except (ValueError, SyntaxError):
-            options[key.strip()] = value.strip()
+            options[key.strip()] = text
     if not name.strip():
         raise PolicyError(f"strategy {spec!r}: the strategy name is missing before ':'")
     return name.strip(), options
