@@ -35,6 +35,35 @@ def test_rows_relate_each_method_to_stock() -> None:
     assert by["empty-hooks"]["held_share"] == pytest.approx(1.0)
     assert by["empty-hooks"]["engine_us_per_saved"] is None
     assert list(profiles) == ["mlp-host none"]
+    # the Python a step enters, counted: the engine's module entries and hooks add to stock's
+    assert by["stock"]["python_calls"] > 0
+    assert by["none"]["python_calls"] > by["stock"]["python_calls"]
+    assert by["empty-hooks"]["python_calls"] > by["stock"]["python_calls"]  # a pack, an unpack
+
+
+def test_python_calls_counts_the_functions_a_step_enters() -> None:
+    import sys
+
+    def inner(k: int) -> int:
+        return k + 1
+
+    def gen():  # type: ignore[no-untyped-def]
+        yield 1
+        yield 2
+
+    def step() -> None:
+        for k in range(5):
+            inner(k)
+        list(gen())  # entered once, resumed twice more
+
+    before = sys.getprofile()
+    assert speed.python_calls(step) == 1 + 5 + 3
+    assert sys.getprofile() is before  # the profile function is given back
+
+
+def test_cold_call_us_times_a_call_both_ways() -> None:
+    warm, cold = speed.cold_call_us(repeat=5, evict_bytes=1 << 20)
+    assert 0 < warm < 1e5 and 0 < cold < 1e5
 
 
 def test_the_command_writes_json(tmp_path: Path) -> None:

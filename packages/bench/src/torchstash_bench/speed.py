@@ -11,7 +11,12 @@ in the mean and not in the median, as it does in an epoch). ``us/saved`` is the 
 divided by the tensors stock saves in a step; ``engine us`` the time a step spends inside
 the engine's hooks (pack, unpack, module entry and exit; a code's kernels included), per saved
 tensor, timed afterwards by wrapping them. ``saved`` is what a step holds for backward, as a
-share of stock's.
+share of stock's. ``py calls`` counts the Python functions a step enters (generators'
+resumptions included), on the CPU: the host work a step does in the interpreter, counted
+rather than timed, so the same on a busy machine. It is the figure that sets the engine's cost
+on a CPU: inside a model, where each large op leaves the interpreter's code and objects out of
+the caches, a Python call costs several times what it costs in a loop that keeps them warm
+(:func:`cold_call_us`).
 ``--profile`` shows where a strategy's time goes (``cProfile``, by own time).
 """
 
@@ -26,6 +31,7 @@ import itertools
 import json
 import pstats
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -273,7 +279,10 @@ def measure_model(
             assert run.times is not None
             run.times.append(time.perf_counter() - t0)
     engine_us: dict[str, float] = {}
+    calls: dict[str, float] = {}
     for run in live:
+        if device.type == "cpu":  # a CUDA backward runs on autograd's device thread: uncounted
+            calls[run.method.name] = python_calls(functools.partial(step, run))
         engine = _engine_of(run.attached)
         if engine is not None:
             one = functools.partial(step, run)
@@ -310,6 +319,7 @@ def measure_model(
                 "mean_ratio": statistics.fmean(run.times) * 1e3 / stock_mean if run.times else None,
                 "us_per_saved": (ms - stock_ms) * 1e3 / n_saves if ms is not None else None,
                 "engine_us_per_saved": engine_us.get(run.method.name),
+                "python_calls": calls.get(run.method.name),
                 "saves": n_saves,
                 "held_bytes": run.held,
                 "held_share": run.held / stock.held
@@ -319,6 +329,62 @@ def measure_model(
             }
         )
     return rows, profiles
+
+
+def python_calls(step: Callable[[], None], steps: int = 3) -> float:
+    """Python functions a call of ``step`` enters on this thread (median over ``steps``; a
+    generator resumed counts as entered), with ``sys.setprofile``: an exact count where a
+    timing would be noise. A profile function set before is put back."""
+    entered = [0]
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            entered[0] += 1
+
+    before = sys.getprofile()
+    counts = []
+    try:
+        for _ in range(steps):
+            entered[0] = 0
+            sys.setprofile(count)
+            try:
+                step()
+            finally:
+                sys.setprofile(before)
+            counts.append(entered[0])
+    finally:
+        sys.setprofile(before)
+    return statistics.median(counts)
+
+
+def cold_call_us(repeat: int = 50, evict_bytes: int = 8 << 20) -> tuple[float, float]:
+    """Microseconds (median) of one small Python function, the engine's module-entry guard in
+    miniature: ``(warm, cold)``, called twice in a row and called after a pass over
+    ``evict_bytes`` of fresh memory (what a model's large op does to the caches between two
+    saves). The ratio of the two is what a Python call costs in a model over what it costs in
+    a microbenchmark."""
+    state = {"frames": []}
+
+    def guard(owner: nn.Module, args: tuple[Any, ...]) -> None:
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            return
+        first = args[0] if args else None
+        shape = first.shape if isinstance(first, Tensor) else None
+        state["frames"].append((owner, shape, owner.training))
+        state["frames"].pop()
+
+    owner, args = nn.Identity(), (torch.zeros(4),)
+    warm, cold = [], []
+    for _ in range(repeat):
+        torch.empty(evict_bytes // 4).fill_(1.0)
+        t0 = time.perf_counter()
+        guard(owner, args)
+        t1 = time.perf_counter()
+        guard(owner, args)
+        t2 = time.perf_counter()
+        cold.append(t1 - t0)
+        warm.append(t2 - t1)
+    return statistics.median(warm) * 1e6, statistics.median(cold) * 1e6
 
 
 def _engine_of(attached: Attached | None) -> Any:
@@ -373,6 +439,7 @@ def speed_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
         ("x mean", lambda r: fmt(r["mean_ratio"], ".2f", "x")),
         ("us/saved", lambda r: "-" if r["method"] == "stock" else fmt(r["us_per_saved"], ".1f")),
         ("engine us", lambda r: fmt(r["engine_us_per_saved"], ".1f")),
+        ("py calls", lambda r: fmt(r.get("python_calls"), ".0f")),
         ("saved", share("held_share")),
     ]
     return rows_table(title, columns, rows, failed="error")
@@ -440,8 +507,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "x stock = median step over stock's in this run; x mean = mean step over stock's "
         "(the steps that run now and then count); us/saved = (step - stock's step) / "
         "tensors stock saves per step; engine us = time inside the engine's hooks (its codes' "
-        "kernels included) per saved tensor; saved = bytes held for backward, share of stock's."
+        "kernels included) per saved tensor; py calls = Python functions a step enters (CPU); "
+        "saved = bytes held for backward, share of stock's."
     )
+    if device.type == "cpu":
+        warm, cold = cold_call_us()
+        console.print(
+            f"A small Python function here: {warm:.1f} us called twice in a row, {cold:.1f} us "
+            "after a pass over 8 MB (as between two saves in a model)."
+        )
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
