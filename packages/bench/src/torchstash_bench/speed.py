@@ -363,7 +363,7 @@ def cold_call_us(repeat: int = 50, evict_bytes: int = 8 << 20) -> tuple[float, f
     ``evict_bytes`` of fresh memory (what a model's large op does to the caches between two
     saves). The ratio of the two is what a Python call costs in a model over what it costs in
     a microbenchmark."""
-    state = {"frames": []}
+    state: dict[str, list[Any]] = {"frames": []}
 
     def guard(owner: nn.Module, args: tuple[Any, ...]) -> None:
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
