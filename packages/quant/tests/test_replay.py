@@ -407,3 +407,124 @@ def test_a_replayed_code_is_its_encoder_s_and_never_decided_again(
 
 def _refused(self: object, x: torch.Tensor, site: object) -> None:
     raise AssertionError("a replayed save decided its code again")
+
+
+class _Attention(nn.Module):
+    """Attention written out as users write it, its scale and mask read at each call."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.scale: float | None = None
+        self.causal = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        qkv = self.qkv(self.norm(x)).view(b, n, 3, self.heads, c // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        scale = self.scale if self.scale is not None else k.size(-1) ** -0.5
+        att = (q @ k.transpose(-2, -1)) * scale
+        if self.causal:
+            mask = torch.ones(n, n, dtype=torch.bool).triu(1)
+            att = att.masked_fill(mask, float("-inf"))
+        return x + self.proj((att.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, n, c))
+
+
+def _attention() -> nn.Module:
+    return nn.Sequential(_Attention(), _Attention(), nn.Flatten(), nn.Linear(32 * 16, 4))
+
+
+class _Entered:
+    """Counts the saves the engine's full path decides (``Engine._decide``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        original = Engine._decide
+
+        def counting(engine, t, tls):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            return original(engine, t, tls)
+
+        monkeypatch.setattr(Engine, "_decide", counting)
+
+
+@pytest.mark.parametrize("strategy", ["quant.int8", "quant.int2", "quant.auto", "quant.mesa"])
+def test_attention_saves_are_made_as_recorded_in_their_region(
+    strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An attention's saves read the op call (which operand of which matmul; the map's
+    scale, mask and softmax), so their module call is a region and the op tracker runs
+    there. On a replayed step the full path does not decide them again: each is made as the
+    recording made it (its variant checked from this call, the map recomputed by the recipe
+    the tracker carried this step), with the full path's gradients and tally bit for bit
+    (``quant.auto`` measures on the full path now and then: those steps are the full path's)."""
+    entered = _Entered(monkeypatch)
+    full, ours, a, b = twins(strategy, _attention)
+    replayer = b.engine.replayer
+    try:
+        x = torch.randn(2, 16, 32)
+        quiet = 0  # replayed steps that decided nothing on the full path
+        for _ in range(8):
+            a.tally.reset()
+            b.tally.reset()
+            want = grads(full, x)
+            entered.calls, before = 0, replayer.replayed
+            got = grads(ours, x)
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, rtol=0, atol=0)
+            assert tally_rows(b.tally) == tally_rows(a.tally)
+            quiet += replayer.replayed > before and entered.calls == 0
+        trace = replayer.trace
+        assert trace is not None and len(trace.regions) == 2
+        assert sum(m.full for m in trace.moves) >= 8  # q, k, v, the map and its reads
+        assert quiet >= (2 if strategy == "quant.auto" else 6), quiet
+        assert replayer.missed == 0
+    finally:
+        a.remove()
+        b.remove()
+
+
+@pytest.mark.parametrize("change", ["scale", "mask"])
+def test_an_attention_called_otherwise_stays_exact(change: str) -> None:
+    """A replayed region whose call changes. A new scale is read from this step's call (the
+    recipe is this step's): the full path's gradients and tally on every step. A mask
+    dropped changes the saves: a guard miss (that step keeps the rest of its forward exact,
+    and the codes' seeds part from the full path's), recorded again: no step recomputes the
+    map with a mask its call did not apply (every gradient stays close to stock's)."""
+    torch.manual_seed(0)
+    stock = _attention()
+    full, ours, a, b = twins("quant.int8", _attention)
+    try:
+        x = torch.randn(2, 16, 32)
+        for _ in range(4):
+            grads(full, x), grads(ours, x)
+        for model in (stock, full, ours):
+            for m in model.modules():
+                if isinstance(m, _Attention):
+                    if change == "scale":
+                        m.scale = 0.05
+                    else:
+                        m.causal = False
+        missed = b.engine.replayer.missed
+        for _ in range(5):
+            a.tally.reset()
+            b.tally.reset()
+            want = grads(full, x)
+            got = grads(ours, x)
+            exact = grads(stock, x)
+            for g, w, e in zip(got, want, exact, strict=True):
+                if change == "scale":
+                    torch.testing.assert_close(g, w, rtol=0, atol=0)
+                cosine = torch.nn.functional.cosine_similarity(g.flatten(), e.flatten(), dim=0)
+                assert cosine > 0.99, float(cosine)
+            if change == "scale":
+                assert tally_rows(b.tally) == tally_rows(a.tally)
+        assert b.engine.replayer.missed == missed + (change == "mask")
+        # without its mask this small model's attention holds most of its saves: not replayed
+        assert b.engine.replayer.replayed >= (7 if change == "scale" else 2)
+    finally:
+        a.remove()
+        b.remove()

@@ -24,7 +24,16 @@ from ..optrack import STATE as OP_STATE
 from ..packed import Packed, raw_nbytes, storage_base
 from ..site import Site
 from . import hookless, messages, rederive
-from .entries import RELEASED, Entry, Recomputed, Saved, dedupe_key, variant_of
+from .entries import (
+    RELEASED,
+    Entry,
+    Recomputed,
+    Saved,
+    dedupe_key,
+    variant_of,
+    with_call,
+    without_call,
+)
 from .messages import CONSTANT_REASON, FUSED_EXACT_REASON, FUSED_OUTPUT_REASON, KEEP_TYPE
 from .params import is_parameter
 from .recompute import Recomputation, Sources
@@ -41,7 +50,7 @@ from .replay import (
     Replayer,
     is_state,
 )
-from .scope import Scoping, ThreadState
+from .scope import Scoping, ThreadState, op_call
 from .tally import Row, Tally
 from .totals import diff, snapshot
 
@@ -105,7 +114,8 @@ class Engine(Scoping, Recomputation):
                 return Saved(Entry(t.detach(), None, _OUTSIDE, t._version, None))
             saved = self.replayer.pack(t, tls)
             if type(saved) is Move:
-                return self._decide_again(t, tls, saved)
+                made = self._redo_in_region(t, tls, saved)
+                return made if made is not None else self._decide_again(t, tls, saved)
             if saved is not None:
                 assert isinstance(saved, Saved)
                 if tls.region is not None:
@@ -249,6 +259,109 @@ class Engine(Scoping, Recomputation):
             rec.note(move, entry)
         return Saved(entry)
 
+    def _redo_in_region(self, t: torch.Tensor, tls: ThreadState, move: Move) -> Saved | None:
+        """A save in a replayed region (:mod:`.regions`) made as its recording made it, with
+        what reads the op call read from this call: a code's variant (which operand of an
+        attention's matmul it is) must come out as recorded, and a recomputed save takes the
+        recipe the op tracker carried this step (its scale, mask and softmax as called now)
+        over the entries at the recorded positions. The full path's site, policy, dedupe and
+        counting are not run again: the site is the recording's, the compressor its, and the
+        trace's totals count a whole replayed forward. None where anything differs (or for a
+        save this does not make: a fused attention's, a statistic's): the full path decides
+        it and checks it against the recording (:meth:`_decide_again`)."""
+        kind, site, compressor = move.kind, move.site, move.compressor
+        if site is None or move.op == SDPA:
+            return None
+        if kind == KEEP:  # a statistic a recipe reads, a tensor its op saves as it is
+            entry = Entry(t.detach(), None, site, t._version, t if self.dedupe else None)
+            entry.reason = move.reason
+            return self._made_in_region(t, tls, move, entry, with_call(site, op_call()))
+        if kind == SHARED:
+            hit = tls.entries.get(move.shares)
+            if (
+                hit is None
+                or move.turned
+                or hit.source() is None
+                or tls.keys.get(move.shares) != dedupe_key(t)
+            ):
+                return None
+            self._op_position(tls)  # the region's later sites count this op call
+            self._note_derive_save(t, hit, hit.compressor, with_call(site, op_call()))
+            hit.pending += 1
+            if hit.graph is not tls.graph:
+                hit.graph = None  # two passes hold it: a failed backward must not drop it
+            self._keep_for_later(t, tls, move, hit)
+            return Saved(hit, move.reshape)
+        if (
+            kind not in (CODE, DERIVE)
+            or compressor is None
+            or type(t.grad_fn) is not move.node
+            or t.stride() != move.strides
+        ):
+            return None
+        live = with_call(site, op_call())
+        if kind == CODE:
+            if variant_of(compressor, t, live) != move.variant:
+                return None
+            value = self._compress(compressor, t, live)
+            if not isinstance(value, Packed) or value.nbytes() != move.code_bytes:
+                return None
+            entry = Entry(
+                value, compressor, live, t._version, t if self.dedupe else None, watched=t
+            )
+        else:
+            if any(p not in tls.entries for p in move.deps):
+                return None  # read from a save this step did not hold where recorded
+            key = dedupe_key(t)
+            found = self._recipe_for(t, key, compressor, site)
+            if found is None:
+                return None
+            recipe, sources = found
+            reads = [e for e, _ in sources]
+            if len(reads) + len(recipe.stats) != len(move.deps) or any(
+                tls.entries.get(p) is not e for p, e in zip(move.deps, reads)
+            ):
+                return None  # recomputed from other saves than the recording's
+            for p, stat in zip(move.deps[len(reads) :], recipe.stats):
+                kept = tls.entries.get(p)
+                if kept is None or kept.value is not stat:
+                    return None
+            self._derive(t, sources, compressor, site, self.tally.row(site))
+            value = Recomputed(sources, recipe, t.shape)
+            entry = Entry(value, compressor, site, t._version, t, watched=t)
+        entry.variant = move.variant
+        entry.strides = move.dense
+        return self._made_in_region(t, tls, move, entry, live)
+
+    def _made_in_region(
+        self, t: torch.Tensor, tls: ThreadState, move: Move, entry: Entry, live: Site
+    ) -> Saved:
+        """What the full path does with a region's new entry once it is made (see
+        :meth:`_redo_in_region`): its op call counted, the recipes it sources told, the
+        forward's graph and the dedupe table told, held for the saves after it."""
+        self._op_position(tls)
+        self._note_derive_save(t, entry, entry.compressor, live)
+        graph = tls.graph
+        if graph is not None:
+            entry.graph = graph
+            graph.entries.append(weakref.ref(entry))
+        if self.dedupe and t.numel() > 0:
+            self._remember(dedupe_key(t), entry)
+        entry.pending += 1
+        tls.bases.code(tls.position - 1, t)
+        self._keep_for_later(t, tls, move, entry)
+        return Saved(entry)
+
+    @staticmethod
+    def _keep_for_later(t: torch.Tensor, tls: ThreadState, move: Move, entry: Entry) -> None:
+        """A region's save, at hand for the saves after it that share it or are recomputed
+        from it (by position, as the recording saw them)."""
+        i = tls.position - 1
+        tls.entries[i] = entry
+        tls.keys[i] = dedupe_key(t)
+        if move.feeds:
+            tls.nodes[i] = t.grad_fn
+
     def _decide_again(self, t: torch.Tensor, tls: ThreadState, move: Move) -> Saved:
         """A save in a replayed region (:mod:`.regions`): the full path decides it, and must
         decide what the recording did; else a guard miss (this save counted as it went)."""
@@ -262,12 +375,7 @@ class Engine(Scoping, Recomputation):
             self._missed(tls)
             self.tally.add_forward(counted)
             return saved
-        if move.keyed:
-            tls.entries[i] = entry
-            tls.keys[i] = dedupe_key(t)
-        if move.feeds:
-            tls.entries[i] = entry
-            tls.nodes[i] = t.grad_fn
+        self._keep_for_later(t, tls, move, entry)  # the region's next saves may read it
         if not tls.shared:
             tls.bases.code(i, t)
         return saved
@@ -318,7 +426,7 @@ class Engine(Scoping, Recomputation):
         if position < 0 or rec.moves[position].kind == SHARED:
             rec.refuse()
             return
-        move = self._move(SHARED, t, rec, None, row)  # the site holds the call's arguments
+        move = self._move(SHARED, t, rec, without_call(site), row)  # a region's redo reads it
         move.op, move.shares, move.reshape = site.op, position, reshape
         move.deps, move.needs_call, move.turned = (position,), needs_call, turned
         move.decided = decided(hit, True)

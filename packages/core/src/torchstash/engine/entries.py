@@ -12,7 +12,7 @@ import torch
 from ..compressor import Compressor
 from ..derive import Recipe
 from ..packed import Packed, raw_nbytes
-from ..site import NO_CALL, Site
+from ..site import NO_CALL, OpCall, Site
 
 
 class Recomputed:
@@ -150,6 +150,26 @@ def without_call(site: Site) -> Site:
         site.call,
         site.training,
         NO_CALL,
+        site.recalled,
+    )
+
+
+def with_call(site: Site, call: OpCall) -> Site:
+    """A kept ``site`` (no call) with the running op's ``call``: a replayed region's save,
+    whose code or recipe reads the call, named as the recording named it."""
+    return Site(
+        site.module,
+        site.tag,
+        site.module_type,
+        site.module_index,
+        site.op,
+        site.func,
+        site.op_index,
+        site.role,
+        site.ordinal,
+        site.call,
+        site.training,
+        call,
         site.recalled,
     )
 

@@ -321,6 +321,18 @@ class Recomputation:
     ) -> Entry | None:
         """An entry recomputing ``t`` from the stored input of the op that made it, when that
         op offered a recipe and its input is stored by the same compressor (or as is)."""
+        found = self._recipe_for(t, key, compressor, site)
+        if found is None:
+            return None
+        rec, sources = found
+        self._derive(t, sources, compressor, site, row)
+        return Entry(Recomputed(sources, rec, t.shape), compressor, site, t._version, t, watched=t)
+
+    def _recipe_for(
+        self, t: torch.Tensor, key: tuple[Any, ...], compressor: Compressor, site: Site
+    ) -> tuple[Recipe, list[tuple[Entry, torch.Size]]] | None:
+        """The recipe that recomputes ``t`` and the entries it reads, or None (see
+        :meth:`_recomputed`, which then counts them; nothing is counted here)."""
         found = self._recipes.get(key) or self._autocast_copy(t, site)
         if found is None or found[0]() is None:
             carried = self._carried_in_call(t, site)
@@ -340,8 +352,7 @@ class Recomputation:
             ):
                 return None
             sources.append((source, shape))
-        self._derive(t, sources, compressor, site, row)
-        return Entry(Recomputed(sources, rec, t.shape), compressor, site, t._version, t, watched=t)
+        return rec, sources
 
     def _carried_in_call(self, t: torch.Tensor, site: Site) -> tuple[Recipe, Sources] | None:
         """The output a carrying op saves itself (a softmax keeps its result): recomputable

@@ -8,9 +8,13 @@ mask and the softmax). A recording used to send the whole forward down the full 
 such save. Instead it now marks a *region*: the innermost module call holding that save and
 everything the save depends on (the saves it shares, or is recomputed from), widened until
 every save inside depends only on saves inside. On a replayed step the engine enters the op
-tracker for a region's call only (an attention module), runs its saves down the full path, and
-checks each decision against the recording (what was stored, by which compressor, in how many
-bytes); the rest of the forward replays. A region that would be the whole forward is no
+tracker for a region's call only (an attention module) and makes each of its saves as the
+recording made it, reading from this call what the recording read from its own: a code's
+variant must come out as recorded, and a recomputed save takes the recipe the tracker carried
+this step over the entries at the recorded positions (``Engine._redo_in_region``). A save that
+differs, or one of a kind this does not make (a fused attention's), is decided by the full
+path and checked against the recording (what was stored, by which compressor, in how many
+bytes). The rest of the forward replays. A region that would be the whole forward is no
 region: that forward is not replayed.
 """
 
