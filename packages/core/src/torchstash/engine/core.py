@@ -275,14 +275,17 @@ class Engine(Scoping, Recomputation):
         if kind == KEEP:  # a statistic a recipe reads, a tensor its op saves as it is
             entry = Entry(t.detach(), None, site, t._version, t if self.dedupe else None)
             entry.reason = move.reason
-            return self._made_in_region(t, tls, move, entry, with_call(site, op_call()))
+            return self._made_in_region(
+                t, tls, move, entry, with_call(site, op_call()), dedupe_key(t)
+            )
         if kind == SHARED:
             hit = tls.entries.get(move.shares)
+            key = dedupe_key(t)
             if (
                 hit is None
                 or move.turned
                 or hit.source() is None
-                or tls.keys.get(move.shares) != dedupe_key(t)
+                or tls.keys.get(move.shares) != key
             ):
                 return None
             self._op_position(tls)  # the region's later sites count this op call
@@ -290,7 +293,7 @@ class Engine(Scoping, Recomputation):
             hit.pending += 1
             if hit.graph is not tls.graph:
                 hit.graph = None  # two passes hold it: a failed backward must not drop it
-            self._keep_for_later(t, tls, move, hit)
+            self._keep_for_later(t, tls, move, hit, key)
             return Saved(hit, move.reshape)
         if (
             kind not in (CODE, DERIVE)
@@ -299,7 +302,7 @@ class Engine(Scoping, Recomputation):
             or t.stride() != move.strides
         ):
             return None
-        live = with_call(site, op_call())
+        live, key = with_call(site, op_call()), dedupe_key(t)
         if kind == CODE:
             if variant_of(compressor, t, live) != move.variant:
                 return None
@@ -312,7 +315,6 @@ class Engine(Scoping, Recomputation):
         else:
             if any(p not in tls.entries for p in move.deps):
                 return None  # read from a save this step did not hold where recorded
-            key = dedupe_key(t)
             found = self._recipe_for(t, key, compressor, site)
             if found is None:
                 return None
@@ -331,10 +333,16 @@ class Engine(Scoping, Recomputation):
             entry = Entry(value, compressor, site, t._version, t, watched=t)
         entry.variant = move.variant
         entry.strides = move.dense
-        return self._made_in_region(t, tls, move, entry, live)
+        return self._made_in_region(t, tls, move, entry, live, key)
 
     def _made_in_region(
-        self, t: torch.Tensor, tls: ThreadState, move: Move, entry: Entry, live: Site
+        self,
+        t: torch.Tensor,
+        tls: ThreadState,
+        move: Move,
+        entry: Entry,
+        live: Site,
+        key: tuple[Any, ...],
     ) -> Saved:
         """What the full path does with a region's new entry once it is made (see
         :meth:`_redo_in_region`): its op call counted, the recipes it sources told, the
@@ -346,19 +354,21 @@ class Engine(Scoping, Recomputation):
             entry.graph = graph
             graph.entries.append(weakref.ref(entry))
         if self.dedupe and t.numel() > 0:
-            self._remember(dedupe_key(t), entry)
+            self._remember(key, entry)
         entry.pending += 1
         tls.bases.code(tls.position - 1, t)
-        self._keep_for_later(t, tls, move, entry)
+        self._keep_for_later(t, tls, move, entry, key)
         return Saved(entry)
 
     @staticmethod
-    def _keep_for_later(t: torch.Tensor, tls: ThreadState, move: Move, entry: Entry) -> None:
+    def _keep_for_later(
+        t: torch.Tensor, tls: ThreadState, move: Move, entry: Entry, key: tuple[Any, ...]
+    ) -> None:
         """A region's save, at hand for the saves after it that share it or are recomputed
         from it (by position, as the recording saw them)."""
         i = tls.position - 1
         tls.entries[i] = entry
-        tls.keys[i] = dedupe_key(t)
+        tls.keys[i] = key
         if move.feeds:
             tls.nodes[i] = t.grad_fn
 
@@ -375,7 +385,7 @@ class Engine(Scoping, Recomputation):
             self._missed(tls)
             self.tally.add_forward(counted)
             return saved
-        self._keep_for_later(t, tls, move, entry)  # the region's next saves may read it
+        self._keep_for_later(t, tls, move, entry, dedupe_key(t))  # the region's next saves read it
         if not tls.shared:
             tls.bases.code(i, t)
         return saved
