@@ -5,12 +5,14 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 #include "torchstash/bitpack.h"
 #include "torchstash/groupquant.h"
+#include "torchstash/maxpool.h"
 #include "torchstash/signs.h"
 #include "torchstash/sparse.h"
 
@@ -421,6 +423,90 @@ inline SignKind check_sign_select(const at::Tensor& grad, const at::Tensor& pack
   TORCH_CHECK(grad.device() == packed.device(), "torchstash::sign_select: grad is on ", grad.device(),
               " but packed is on ", packed.device(), "; keep them on one device");
   return sign_kind("sign_select", "grad", grad.scalar_type());
+}
+
+// A 2-d pool's int[] argument: two values, each at least `low`.
+inline void check_pool_pair(const char* op, const char* name, at::IntArrayRef v, std::int64_t low) {
+  TORCH_CHECK_VALUE(v.size() == 2, "torchstash::", op, ": ", name, " must hold 2 values, one per spatial dim (got ",
+                    v.size(), ")");
+  TORCH_CHECK_VALUE(v[0] >= low && v[1] >= low, "torchstash::", op, ": ", name, " must be >= ", low, " (got ", v,
+                    ")");
+}
+
+// The pool's geometry for an input of `sizes` (3-D or 4-D), checked as ATen checks it: a
+// padding of at most half the kernel, and at least one window along each dim.
+inline maxpool::Geometry pool_geometry(const char* op, at::IntArrayRef sizes, at::IntArrayRef kernel,
+                                       at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
+                                       bool ceil_mode) {
+  TORCH_CHECK_VALUE(sizes.size() == 3 || sizes.size() == 4, "torchstash::", op,
+                    ": the input must be 3-D or 4-D (got ", sizes.size(), " dims)");
+  check_pool_pair(op, "kernel", kernel, 1);
+  check_pool_pair(op, "stride", stride, 1);
+  check_pool_pair(op, "padding", padding, 0);
+  check_pool_pair(op, "dilation", dilation, 1);
+  for (int i = 0; i < 2; ++i) {
+    TORCH_CHECK_VALUE(padding[i] <= kernel[i] / 2, "torchstash::", op,
+                      ": padding must be at most half of the kernel (got padding ", padding, ", kernel ", kernel,
+                      ")");
+  }
+  maxpool::Geometry g{};
+  g.H = sizes[sizes.size() - 2];
+  g.W = sizes[sizes.size() - 1];
+  g.kH = kernel[0];
+  g.kW = kernel[1];
+  g.sH = stride[0];
+  g.sW = stride[1];
+  g.pH = padding[0];
+  g.pW = padding[1];
+  g.dH = dilation[0];
+  g.dW = dilation[1];
+  g.OH = maxpool::output_size(g.H, g.kH, g.pH, g.sH, g.dH, ceil_mode);
+  g.OW = maxpool::output_size(g.W, g.kW, g.pW, g.sW, g.dW, ceil_mode);
+  TORCH_CHECK_VALUE(g.H >= 1 && g.W >= 1 && g.OH >= 1 && g.OW >= 1, "torchstash::", op, ": an input plane of ", g.H,
+                    "x", g.W, " gives ", g.OH, "x", g.OW, " windows; the pool needs at least one");
+  return g;
+}
+
+inline maxpool::Geometry check_max_pool2d_code(const at::Tensor& x, at::IntArrayRef kernel, at::IntArrayRef stride,
+                                               at::IntArrayRef padding, at::IntArrayRef dilation, bool ceil_mode,
+                                               const at::Tensor& table, std::int64_t bits) {
+  const char* op = "max_pool2d_code";
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "torchstash::", op, ": x must be float32 (got ", x.scalar_type(),
+                   "); other dtypes take ATen's pool");
+  check_bits(op, bits);
+  const maxpool::Geometry g = pool_geometry(op, x.sizes(), kernel, stride, padding, dilation, ceil_mode);
+  TORCH_CHECK_VALUE(g.kH * g.kW <= (std::int64_t{1} << bits), "torchstash::", op, ": bits=", bits,
+                    " cannot hold the ", g.kH * g.kW, " positions of a ", kernel, " window; pass wider bits");
+  TORCH_CHECK_VALUE(g.H * g.W < (std::int64_t{1} << 30), "torchstash::", op, ": an input plane of ", g.H, "x", g.W,
+                    " elements is over the kernel's 2^30; pool it with ATen");
+  TORCH_CHECK_TYPE(table.scalar_type() == at::kByte, "torchstash::", op, ": table must be uint8 (got ",
+                   table.scalar_type(), "); pass the offset -> position table torchstash.windows builds");
+  TORCH_CHECK_VALUE(table.dim() == 1 && table.numel() >= 1, "torchstash::", op,
+                    ": table must be a non-empty 1-D tensor (got shape ", table.sizes(), ")");
+  TORCH_CHECK(table.device() == x.device(), "torchstash::", op, ": table is on ", table.device(), " but x is on ",
+              x.device(), "; keep them on one device");
+  return g;
+}
+
+inline maxpool::Geometry check_max_pool2d_code_backward(const at::Tensor& grad, const at::Tensor& packed,
+                                                        at::IntArrayRef input_size, at::IntArrayRef kernel,
+                                                        at::IntArrayRef stride, at::IntArrayRef padding,
+                                                        at::IntArrayRef dilation, bool ceil_mode, std::int64_t bits) {
+  const char* op = "max_pool2d_code_backward";
+  TORCH_CHECK_TYPE(grad.scalar_type() == at::kFloat, "torchstash::", op, ": grad must be float32 (got ",
+                   grad.scalar_type(), ")");
+  check_bits(op, bits);
+  const maxpool::Geometry g = pool_geometry(op, input_size, kernel, stride, padding, dilation, ceil_mode);
+  std::vector<std::int64_t> expected(input_size.begin(), input_size.end());
+  expected[expected.size() - 2] = g.OH;
+  expected[expected.size() - 1] = g.OW;
+  TORCH_CHECK_VALUE(grad.sizes() == at::IntArrayRef(expected), "torchstash::", op, ": grad has shape ", grad.sizes(),
+                    " but the pool of an input of ", input_size, " gives ", at::IntArrayRef(expected),
+                    "; pass the input's size and the pool's arguments");
+  check_packed(op, "max_pool2d_code", packed, bits, grad.numel());
+  TORCH_CHECK(grad.device() == packed.device(), "torchstash::", op, ": grad is on ", grad.device(),
+              " but packed is on ", packed.device(), "; keep them on one device");
+  return g;
 }
 
 inline void check_philox_out(const at::Tensor& out) {

@@ -375,6 +375,44 @@ at::Tensor sign_select_cpu(const at::Tensor& grad, const at::Tensor& packed) {
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> max_pool2d_code_cpu(const at::Tensor& x, at::IntArrayRef kernel,
+                                                       at::IntArrayRef stride, at::IntArrayRef padding,
+                                                       at::IntArrayRef dilation, bool ceil_mode,
+                                                       const at::Tensor& table, std::int64_t bits) {
+  const maxpool::Geometry g =
+      bindings::check_max_pool2d_code(x, kernel, stride, padding, dilation, ceil_mode, table, bits);
+  const at::Tensor c = x.contiguous();
+  const at::Tensor t = table.contiguous();
+  const std::int64_t planes = c.numel() / (g.H * g.W);
+  std::vector<std::int64_t> sizes(c.sizes().begin(), c.sizes().end());
+  sizes[sizes.size() - 2] = g.OH;
+  sizes[sizes.size() - 1] = g.OW;
+  at::Tensor out = c.new_empty(sizes);
+  at::Tensor packed =
+      c.new_empty({bitpack::packed_size(planes * g.OH * g.OW, static_cast<int>(bits))}, c.options().dtype(at::kByte));
+  cpu::max_pool2d_code(c.const_data_ptr<float>(), planes, g, t.const_data_ptr<std::uint8_t>(), t.numel(),
+                       static_cast<int>(bits), out.mutable_data_ptr<float>(), packed.mutable_data_ptr<std::uint8_t>(),
+                       threads_for(c.numel() * g.kH * g.kW));
+  return {out, packed};
+}
+
+at::Tensor max_pool2d_code_backward_cpu(const at::Tensor& grad, const at::Tensor& packed, at::IntArrayRef input_size,
+                                        at::IntArrayRef kernel, at::IntArrayRef stride, at::IntArrayRef padding,
+                                        at::IntArrayRef dilation, bool ceil_mode, std::int64_t bits) {
+  const maxpool::Geometry g = bindings::check_max_pool2d_code_backward(grad, packed, input_size, kernel, stride,
+                                                                       padding, dilation, ceil_mode, bits);
+  const at::Tensor gr = grad.contiguous();
+  const at::Tensor p = packed.contiguous();
+  at::Tensor gx = gr.new_empty(input_size);
+  const std::int64_t planes = gx.numel() / (g.H * g.W);
+  const bool ok = cpu::max_pool2d_code_backward(gr.const_data_ptr<float>(), p.const_data_ptr<std::uint8_t>(), planes,
+                                                g, static_cast<int>(bits), gx.mutable_data_ptr<float>(),
+                                                threads_for(gx.numel() * 2));
+  TORCH_CHECK_VALUE(ok, "torchstash::max_pool2d_code_backward: a code is not a position of its window inside the ",
+                    "plane; pass the codes max_pool2d_code made with these arguments");
+  return gx;
+}
+
 at::Tensor topk_mask_cpu(const at::Tensor& x, std::int64_t segments, std::int64_t k, bool exact) {
   const sparse::KeyKind kind = bindings::check_topk_mask(x, segments, k, exact);
   const at::Tensor c = x.contiguous();
@@ -487,6 +525,12 @@ TORCH_LIBRARY(torchstash, m) {
   m.def("sign_pack(Tensor x) -> Tensor");
   m.def("sign_unpack(Tensor packed, SymInt numel, ScalarType dtype) -> Tensor");
   m.def("sign_select(Tensor grad, Tensor packed) -> Tensor");
+  m.def(
+      "max_pool2d_code(Tensor x, int[] kernel, int[] stride, int[] padding, int[] dilation, bool ceil_mode, "
+      "Tensor table, int bits) -> (Tensor, Tensor)");
+  m.def(
+      "max_pool2d_code_backward(Tensor grad, Tensor packed, SymInt[] input_size, int[] kernel, int[] stride, "
+      "int[] padding, int[] dilation, bool ceil_mode, int bits) -> Tensor");
   m.def("topk_mask(Tensor x, int segments, int k, bool exact) -> Tensor");
   m.def("mask_compact(Tensor x, Tensor mask, int kept) -> Tensor");
   m.def("mask_scatter(Tensor mask, Tensor values, SymInt numel) -> Tensor");
@@ -516,6 +560,8 @@ TORCH_LIBRARY_IMPL(torchstash, CPU, m) {
   m.impl("sign_pack", &torchstash::sign_pack_cpu);
   m.impl("sign_unpack", &torchstash::sign_unpack_cpu);
   m.impl("sign_select", &torchstash::sign_select_cpu);
+  m.impl("max_pool2d_code", &torchstash::max_pool2d_code_cpu);
+  m.impl("max_pool2d_code_backward", &torchstash::max_pool2d_code_backward_cpu);
   m.impl("topk_mask", &torchstash::topk_mask_cpu);
   m.impl("mask_compact", &torchstash::mask_compact_cpu);
   m.impl("mask_scatter", &torchstash::mask_scatter_cpu);

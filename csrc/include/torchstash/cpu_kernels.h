@@ -9,6 +9,7 @@
 #include "torchstash/channelquant.h"
 #include "torchstash/common.h"
 #include "torchstash/groupquant.h"
+#include "torchstash/maxpool.h"
 #include "torchstash/signs.h"
 #include "torchstash/sparse.h"
 
@@ -89,6 +90,18 @@ void sign_unpack(const std::uint8_t* packed, index_t n, SignKind kind, void* out
 // out[0, n) (of `kind`) <- grad[k] where bit k of packed is set, else 0 (+0.0): a ReLU's
 // threshold_backward from its sign bits, in one pass.
 void sign_select(const std::uint8_t* packed, const void* grad, index_t n, SignKind kind, void* out, int num_threads);
+
+// memsave's 2-d max pool (maxpool.h) over `planes` contiguous float32 planes of g.H x g.W:
+// out[0, planes * g.OH * g.OW) <- the maxima, packed[0, ceil(that * bits / 8)) <- each
+// argmax's position, table[offset from the window's first element] (table_size entries).
+void max_pool2d_code(const float* x, index_t planes, const maxpool::Geometry& g, const std::uint8_t* table,
+                     index_t table_size, int bits, float* out, std::uint8_t* packed, int num_threads);
+
+// Its backward: gx[0, planes * g.H * g.W) <- the gradient of each output added at its code's
+// position (in output order, from zero), as ATen's max_pool2d_with_indices_backward adds it
+// at the index. Returns false when a code is not a position inside the plane.
+bool max_pool2d_code_backward(const float* grad, const std::uint8_t* packed, index_t planes,
+                              const maxpool::Geometry& g, int bits, float* gx, int num_threads);
 
 // Channel-wise 8-bit layout (channelquant.h): element i of x[0, n) belongs to channel
 // (i / inner) % channels; n is a multiple of inner * channels.

@@ -24,6 +24,12 @@ CODES_C = K.channel_quantize(X, LO_C, HI_C, 64, seed=1, impl="ref")
 FP8_CODES, FP8_SCALE = K.fp8_quantize(X, 64, impl="ref")
 CENTERED, OFFSETS, CONSTANT, _ = K.row_center(X, 64, impl="ref")
 SIGNS = K.sign_pack(X, impl="ref")
+POOL_X = torch.randn(2, 3, 8, 8)
+POOL = ([3, 3], [2, 2], [1, 1], [1, 1], False)
+POOL_TABLE = torch.tensor(
+    [0, 1, 2, 0, 0, 0, 0, 0, 3, 4, 5, 0, 0, 0, 0, 0, 6, 7, 8], dtype=torch.uint8
+)
+POOL_OUT, POOL_CODES = K.max_pool2d_code(POOL_X, *POOL, POOL_TABLE, 4, impl="ref")
 
 
 def op_named(name: str) -> Any:
@@ -150,6 +156,18 @@ CASES = [
         (X, SIGNS),
         lambda *a: K.sign_select(*a, impl="kernel"),
         {0: ("grad", X.int())},
+    ),
+    Case(
+        "max_pool2d_code",
+        (POOL_X, *POOL, POOL_TABLE, 4),
+        lambda *a: K.max_pool2d_code(*a, impl="kernel"),
+        {0: ("x", POOL_X.double()), 6: ("table", POOL_TABLE.long()), 7: ("bits", 3)},
+    ),
+    Case(
+        "max_pool2d_code_backward",
+        (POOL_OUT, POOL_CODES, list(POOL_X.shape), *POOL, 4),
+        lambda *a: K.max_pool2d_code_backward(*a, impl="kernel"),
+        {0: ("grad", POOL_OUT.double()), 1: ("packed", POOL_CODES.long()), 8: ("bits", 3)},
     ),
 ]
 BROKEN = [(c, i) for c in CASES for i in c.broken]

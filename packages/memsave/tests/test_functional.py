@@ -800,3 +800,32 @@ def test_cuda_matches_stock(name: str, training: bool) -> None:
         assert our_bytes <= stock_bytes
     for b_got, b_want in zip(ours.buffers(), stock.buffers()):
         torch.testing.assert_close(b_got, b_want, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("nd", [1, 2])
+def test_a_pool_without_indices_on_cpu_float32_pools_and_codes_in_one_pass(nd: int) -> None:
+    """The pool the CPU's models take (contiguous float32, no indices asked for) runs as one
+    kernel pass each way (``MaxPoolCodeFunction``), stock's output and gradient bit for bit,
+    keeping the same positions' code; indices asked for, or channels_last, take ATen's pool."""
+    shape = (4, 6, 17) if nd == 1 else (4, 6, 9, 9)
+    pool, stock = (MF.max_pool1d, F.max_pool1d) if nd == 1 else (MF.max_pool2d, F.max_pool2d)
+    x = torch.randn(shape).requires_grad_()
+    xs = x.detach().clone().requires_grad_()
+    out = pool(x, 3, 2, 1)
+    node = out.grad_fn if nd == 2 else out.grad_fn.next_functions[0][0]  # 1-d: a squeezed 2-d pool
+    assert type(node).__name__ == "MaxPoolCodeFunctionBackward"
+    (packed,) = node.saved_tensors
+    bits = 4 if nd == 2 else 2  # a 3x3 window's 9 positions; a 1x3 one's 3
+    assert packed.dtype == torch.uint8 and packed.numel() == (out.numel() * bits + 7) // 8
+    ref = stock(xs, 3, 2, 1)
+    assert_bits_equal(out, ref)
+    grad = torch.randn_like(ref)
+    out.backward(grad)
+    ref.backward(grad)
+    assert_bits_equal(x.grad, xs.grad)
+    with_indices = pool(x, 3, 2, 1, return_indices=True)[0]
+    node = with_indices.grad_fn if nd == 2 else with_indices.grad_fn.next_functions[0][0]
+    assert type(node).__name__ == "MaxPoolFunctionBackward"
+    if nd == 2:
+        last = x.detach().to(memory_format=torch.channels_last).requires_grad_()
+        assert type(pool(last, 3, 2, 1).grad_fn).__name__ == "MaxPoolFunctionBackward"

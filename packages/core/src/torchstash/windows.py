@@ -5,6 +5,11 @@ input plane. The window each output reads is fixed by the pool's kernel, stride,
 dilation, so that index is the window's first position plus one of ``prod(kernel)`` offsets;
 the position among them fits in :func:`window_bits` bits. Shared by the plug-ins that store
 pool indices (memsave's pooling layers, quant's op-aware codes).
+
+:func:`pool_code` pools and writes the positions in one kernel pass where it can (a 2-d pool
+of contiguous float32 planes on the CPU, :func:`pool_code_refusal` says why not elsewhere),
+and :func:`pool_code_backward` scatters the gradient from them: no int64 index is written
+or read, where ATen's pool writes them and the coding above reads and writes them again.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ import math
 from collections.abc import Sequence
 
 import torch
+
+from .kernels import max_pool2d_code, max_pool2d_code_backward
+from .kernels.maxpool_reference import pool_output_size
 
 
 def window_bits(window: int) -> int | None:
@@ -99,6 +107,98 @@ def _tables(
         return _window_tables(in_sizes, kernel, dilation, like.device)
     key = (tuple(map(int, in_sizes)), tuple(map(int, kernel)), tuple(map(int, dilation)))
     return _cached_tables(*key, like.device)
+
+
+@functools.lru_cache(maxsize=256)
+def _every_window_inside(
+    size: int, kernel: int, padding: int, stride: int, dilation: int, out: int
+) -> bool:
+    """Whether each of the ``out`` windows along a dim holds an element of the plane (ATen's
+    pool gives an empty one, possible with dilation, the index of no element)."""
+    for o in range(out):
+        start = o * stride - padding
+        first = start if start >= 0 else start + (-start + dilation - 1) // dilation * dilation
+        if first >= min(start + (kernel - 1) * dilation + 1, size):
+            return False
+    return True
+
+
+def pool_code_refusal(
+    x: torch.Tensor,
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    ceil_mode: bool,
+) -> list[str]:
+    """Why :func:`pool_code` cannot pool ``x`` so (empty: it can); the caller then pools with
+    ATen and codes the indices (:func:`encode_positions`)."""
+    reasons = []
+    if x.dtype != torch.float32:
+        reasons.append(f"its input is {x.dtype}, the kernel pools float32")
+    if x.device.type != "cpu":
+        reasons.append(f"its input is on {x.device}, the kernel runs on the CPU")
+    if x.dim() not in (3, 4) or len(kernel) != 2:
+        reasons.append("it is not a 2-d pool of a 3-D or 4-D input")
+    elif not x.is_contiguous():
+        reasons.append("its input is not contiguous (channels_last takes ATen's pool)")
+    if torch.compiler.is_compiling():
+        reasons.append("a compiled graph pools with ATen's op")
+    if reasons:
+        return reasons
+    if int(x.shape[-2]) * int(x.shape[-1]) >= 1 << 30:
+        reasons.append("its input plane holds 2^30 elements or more")
+    if math.prod(kernel) > 256:
+        reasons.append(f"its window holds {math.prod(kernel)} positions, over 256")
+    if min(*kernel, *stride, *dilation) < 1 or min(padding) < 0:
+        return [*reasons, "its kernel, stride, dilation or padding is out of range"]
+    for i in range(2):
+        size = int(x.shape[-2 + i])
+        if padding[i] > kernel[i] // 2:
+            reasons.append("its padding is over half its kernel (ATen refuses it)")
+            continue
+        out = pool_output_size(size, kernel[i], padding[i], stride[i], dilation[i], ceil_mode)
+        if size < 1 or out < 1:
+            reasons.append("its input plane holds no window")
+        elif not _every_window_inside(size, kernel[i], padding[i], stride[i], dilation[i], out):
+            reasons.append("one of its windows lies wholly in the padding")
+    return reasons
+
+
+def pool_code(
+    x: torch.Tensor,
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    ceil_mode: bool,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(``F.max_pool2d(x, ...)``, bit for bit; each output's argmax as its position in the
+    window, packed; the width) in one pass (:func:`torchstash.kernels.max_pool2d_code`). Only
+    where :func:`pool_code_refusal` says nothing against it."""
+    bits = window_bits(math.prod(kernel))
+    assert bits is not None, "pool_code_refusal refuses windows over 256 positions"
+    table, low, _ = _tables(x, x.shape[-2:], kernel, dilation)
+    assert low == 0  # a window's first element is its lowest offset
+    out, packed = max_pool2d_code(x, kernel, stride, padding, dilation, ceil_mode, table, bits)
+    return out, packed, bits
+
+
+def pool_code_backward(
+    grad: torch.Tensor,
+    packed: torch.Tensor,
+    input_size: Sequence[int],
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    ceil_mode: bool,
+    bits: int,
+) -> torch.Tensor:
+    """The input's gradient of :func:`pool_code`'s pool, as ATen's backward gives it."""
+    return max_pool2d_code_backward(
+        grad, packed, input_size, kernel, stride, padding, dilation, ceil_mode, bits
+    )
 
 
 def encode_positions(

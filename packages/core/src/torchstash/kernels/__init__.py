@@ -10,6 +10,8 @@ rounds values stochastically to a table of a few levels (derivative codes; CPU k
 ``row_center``/``row_uncenter`` take each row's offset off a normalization's input and put it
 back (``row_group_quantize``/``row_group_dequantize``: fused with the group codes), ``sign_pack``/``sign_unpack`` keep where a tensor is above zero as one bit per element
 (``sign_select``: a gradient kept where those bits are set, a ReLU's backward; CPU kernel),
+``max_pool2d_code``/``max_pool2d_code_backward`` pool and keep each argmax as its position in
+the window at 1-8 bits, and scatter the gradient back from it (memsave's MaxPool; CPU kernel),
 ``topk_mask``/``mask_compact``/``mask_scatter``/``mask_offsets``/``offsets_scatter`` keep the
 ``k`` largest magnitudes per segment as a 1-bit mask or 16-bit offsets plus values; each
 runs a JIT-built C++/CUDA kernel when one is available (see ``status()``) and the
@@ -33,6 +35,7 @@ from .fp8 import fp8_dequantize, fp8_quantize
 from .groupquant import group_dequantize, group_quantize, group_steps
 from .levelquant import level_quantize
 from .loader import available, load, status
+from .maxpool import max_pool2d_code, max_pool2d_code_backward
 from .philox import philox_uniform
 from .rowcenter import row_center, row_group_dequantize, row_group_quantize, row_uncenter
 from .sparse import (
@@ -61,6 +64,8 @@ __all__ = [
     "load",
     "mesa_quantize",
     "mask_compact",
+    "max_pool2d_code",
+    "max_pool2d_code_backward",
     "mask_offsets",
     "mask_scatter",
     "offsets_scatter",

@@ -26,6 +26,7 @@ from ._checks import (
     traced_dtype,
     traced_float,
 )
+from .maxpool_reference import pool_output_size
 
 _registered = False
 
@@ -163,6 +164,21 @@ def _values(a: Args, like: str) -> torch.Tensor:
     return _empty(getattr(a, like), a.numel, a.dtype)
 
 
+def _pooled(a: Args) -> torch.Tensor:
+    """``max_pool2d_code``'s output: ``x`` with its last two sizes pooled."""
+    *lead, h, w = a.x.shape
+    sizes = [
+        pool_output_size(n, a.kernel[i], a.padding[i], a.stride[i], a.dilation[i], a.ceil_mode)
+        for i, n in enumerate((h, w))
+    ]
+    return a.x.new_empty([*lead, *sizes])
+
+
+def _pool_codes(a: Args) -> tuple[torch.Tensor, torch.Tensor]:
+    out = _pooled(a)
+    return out, _empty(a.x, packed_size(out.numel(), a.bits), torch.uint8)
+
+
 _GROUP_DECODE = (_bits, _dtype("packed", torch.uint8), _float("dtype"))
 
 FAKES: dict[str, Fake] = {
@@ -254,6 +270,13 @@ FAKES: dict[str, Fake] = {
     "sign_select": Fake(
         (_sign_float("grad"), _dtype("packed", torch.uint8), _signs_of_grad),
         lambda a: _empty(a.grad, a.grad.numel()),
+    ),
+    "max_pool2d_code": Fake(
+        (_dtype("x", torch.float32), _bits, _dtype("table", torch.uint8)), _pool_codes
+    ),
+    "max_pool2d_code_backward": Fake(
+        (_dtype("grad", torch.float32), _bits, _dtype("packed", torch.uint8)),
+        lambda a: a.grad.new_empty(list(a.input_size)),
     ),
     "topk_mask": Fake(
         (_float("x"), _count("segments"), _count("k", 0)),

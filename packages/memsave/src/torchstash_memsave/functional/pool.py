@@ -3,7 +3,11 @@
 * MaxPool: stock keeps the input (its backward reads only the sizes) and int64 indices. Here
   only the position inside the window is kept, at 1, 2, 4 or 8 bits (2x2: 2 bits, 3x3: 4
   bits); the global index is rebuilt in backward. Windows over 256 elements keep int16
-  positions, over 32767 the int64 indices (never the input).
+  positions, over 32767 the int64 indices (never the input). A 2-d pool of contiguous float32
+  planes on the CPU that returns no indices writes the positions as it pools and scatters
+  the gradient from them, one kernel pass each way (:func:`torchstash.windows.pool_code`:
+  its forward took a fifth of ATen's pool alone on a ResNet stem's, and no int64 index is
+  written or read); elsewhere ATen pools and the indices are coded after.
 * AvgPool and AdaptiveAvgPool: stock keeps the input, whose backward reads only its sizes;
   here nothing is kept. AdaptiveAvgPool with output size 1 is stock's ``mean``, which saves
   nothing already: it is called unchanged (another backward op would not be bit-exact).
@@ -21,7 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from torchstash.windows import decode_positions, encode_positions, window_bits, window_starts
+from torchstash.windows import (
+    decode_positions,
+    encode_positions,
+    pool_code,
+    pool_code_backward,
+    pool_code_refusal,
+    window_bits,
+    window_starts,
+)
 
 from ._standin import Layout, expand, needs_graph, pack_codes, standin, unpack_codes
 from ._tracker import apply
@@ -29,6 +41,7 @@ from ._tracker import apply
 __all__ = [
     "AdaptiveAvgPoolFunction",
     "AvgPoolFunction",
+    "MaxPoolCodeFunction",
     "MaxPoolFunction",
     "adaptive_avg_pool1d",
     "adaptive_avg_pool2d",
@@ -125,6 +138,37 @@ class MaxPoolFunction(torch.autograd.Function):
         return gx, None, None, None, None, None
 
 
+class MaxPoolCodeFunction(torch.autograd.Function):
+    """A 2-d max pool that returns no indices, in one kernel pass each way
+    (:func:`torchstash.windows.pool_code`): the positions are written as it pools, and the
+    backward scatters the gradient from them. The same code as :class:`MaxPoolFunction`'s."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        kernel: list[int],
+        stride: list[int],
+        padding: list[int],
+        dilation: list[int],
+        ceil_mode: bool,
+    ) -> torch.Tensor:
+        out, packed, bits = pool_code(x, kernel, stride, padding, dilation, ceil_mode)
+        ctx.conf = (kernel, stride, padding, dilation, ceil_mode, bits)
+        ctx.input_size = tuple(x.shape)
+        ctx.save_for_backward(packed if ctx.needs_input_grad[0] else None)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (packed,) = ctx.saved_tensors
+        if packed is None:
+            return None, None, None, None, None, None
+        gx = pool_code_backward(grad, packed, ctx.input_size, *ctx.conf)
+        return gx, None, None, None, None, None
+
+
 def _max_pool(
     x: torch.Tensor,
     nd: int,
@@ -133,14 +177,18 @@ def _max_pool(
     padding: IntOrSeq,
     dilation: IntOrSeq,
     ceil_mode: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_indices: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the pool's output, its indices: None where they were not asked for and the pool
+    ran as :class:`MaxPoolCodeFunction`)."""
     kernel = expand(kernel_size, nd, "kernel_size")
     stride_ = _stride(stride, kernel, nd)
     padding_ = expand(padding, nd, "padding")
     dilation_ = expand(dilation, nd, "dilation")
-    out: tuple[torch.Tensor, torch.Tensor] = apply(
-        MaxPoolFunction, x, kernel, stride_, padding_, dilation_, ceil_mode
-    )
+    conf = (kernel, stride_, padding_, dilation_, ceil_mode)
+    if not return_indices and not pool_code_refusal(x, *conf):
+        return apply(MaxPoolCodeFunction, x, *conf), None
+    out: tuple[torch.Tensor, torch.Tensor] = apply(MaxPoolFunction, x, *conf)
     return out
 
 
@@ -170,14 +218,17 @@ def _max_pool1d_as_2d(
     padding: IntOrSeq,
     dilation: IntOrSeq,
     ceil_mode: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_indices: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A 1-d pool as a 2-d one over a height of 1 (the positions' code is the 2-d one's)."""
     _check_1d(input, "max_pool1d")
     k = _one(kernel_size, "kernel_size")
     s = _stride(stride, [k], 1)[0]
     pad, dil = [0, _one(padding, "padding")], [1, _one(dilation, "dilation")]
-    out, indices = _max_pool(input.unsqueeze(-2), 2, [1, k], [1, s], pad, dil, ceil_mode)
-    return out.squeeze(-2), indices.squeeze(-2)
+    out, indices = _max_pool(
+        input.unsqueeze(-2), 2, [1, k], [1, s], pad, dil, ceil_mode, return_indices
+    )
+    return out.squeeze(-2), None if indices is None else indices.squeeze(-2)
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -206,10 +257,12 @@ def _max_pool_nd(nd: int, stock: Callable[..., Any]) -> Callable[..., Any]:
             return stock(input, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
         if nd == 1:
             out, indices = _max_pool1d_as_2d(
-                input, kernel_size, stride, padding, dilation, ceil_mode
+                input, kernel_size, stride, padding, dilation, ceil_mode, return_indices
             )
         else:
-            out, indices = _max_pool(input, nd, kernel_size, stride, padding, dilation, ceil_mode)
+            out, indices = _max_pool(
+                input, nd, kernel_size, stride, padding, dilation, ceil_mode, return_indices
+            )
         return (out, indices) if return_indices else out
 
     return _named(
