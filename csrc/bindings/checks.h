@@ -509,6 +509,40 @@ inline maxpool::Geometry check_max_pool2d_code_backward(const at::Tensor& grad, 
   return g;
 }
 
+// The geometry of a stock pool's indices of `sizes` (..., OH, OW) over input planes of `plane`.
+inline maxpool::Geometry window_geometry(const char* op, at::IntArrayRef sizes, at::IntArrayRef plane,
+                                         at::IntArrayRef kernel, at::IntArrayRef stride, at::IntArrayRef padding,
+                                         at::IntArrayRef dilation, std::int64_t bits) {
+  check_bits(op, bits);
+  TORCH_CHECK_VALUE(sizes.size() >= 2, "torchstash::", op, ": the indices must have at least 2 dims (got ",
+                    sizes.size(), ")");
+  check_pool_pair(op, "plane", plane, 1);
+  check_pool_pair(op, "kernel", kernel, 1);
+  check_pool_pair(op, "stride", stride, 1);
+  check_pool_pair(op, "padding", padding, 0);
+  check_pool_pair(op, "dilation", dilation, 1);
+  maxpool::Geometry g{plane[0], plane[1], sizes[sizes.size() - 2], sizes[sizes.size() - 1],
+                      kernel[0], kernel[1], stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1]};
+  TORCH_CHECK_VALUE(g.kH * g.kW <= (std::int64_t{1} << bits), "torchstash::", op, ": bits=", bits,
+                    " cannot hold the ", g.kH * g.kW, " positions of a ", kernel, " window; pass wider bits");
+  return g;
+}
+
+inline maxpool::Geometry check_window_code(const at::Tensor& indices, const at::Tensor& table, at::IntArrayRef plane,
+                                           at::IntArrayRef kernel, at::IntArrayRef stride, at::IntArrayRef padding,
+                                           at::IntArrayRef dilation, std::int64_t bits) {
+  const char* op = "window_code";
+  TORCH_CHECK_TYPE(indices.scalar_type() == at::kLong, "torchstash::", op, ": indices must be int64 (got ",
+                   indices.scalar_type(), "); pass a max pool's indices");
+  TORCH_CHECK_TYPE(table.scalar_type() == at::kByte, "torchstash::", op, ": table must be uint8 (got ",
+                   table.scalar_type(), "); pass the offset -> position table torchstash.windows builds");
+  TORCH_CHECK_VALUE(table.dim() == 1 && table.numel() >= 1, "torchstash::", op,
+                    ": table must be a non-empty 1-D tensor (got shape ", table.sizes(), ")");
+  TORCH_CHECK(table.device() == indices.device(), "torchstash::", op, ": table is on ", table.device(),
+              " but indices is on ", indices.device(), "; keep them on one device");
+  return window_geometry(op, indices.sizes(), plane, kernel, stride, padding, dilation, bits);
+}
+
 inline void check_philox_out(const at::Tensor& out) {
   TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat,
                    "torchstash::philox_uniform: out must be float32 (got ", out.scalar_type(),

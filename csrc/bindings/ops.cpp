@@ -413,6 +413,40 @@ at::Tensor max_pool2d_code_backward_cpu(const at::Tensor& grad, const at::Tensor
   return gx;
 }
 
+std::tuple<at::Tensor, at::Tensor> window_code_cpu(const at::Tensor& indices, const at::Tensor& table,
+                                                   at::IntArrayRef plane, at::IntArrayRef kernel,
+                                                   at::IntArrayRef stride, at::IntArrayRef padding,
+                                                   at::IntArrayRef dilation, std::int64_t bits) {
+  const maxpool::Geometry g =
+      bindings::check_window_code(indices, table, plane, kernel, stride, padding, dilation, bits);
+  const at::Tensor c = indices.contiguous();
+  const at::Tensor t = table.contiguous();
+  const std::int64_t n = c.numel();
+  at::Tensor packed = c.new_empty({bitpack::packed_size(n, static_cast<int>(bits))}, c.options().dtype(at::kByte));
+  const std::int64_t planes = g.OH * g.OW > 0 ? n / (g.OH * g.OW) : 0;
+  const bool exact = planes == 0 || cpu::window_code(c.const_data_ptr<std::int64_t>(), planes, g,
+                                                     t.const_data_ptr<std::uint8_t>(), t.numel(),
+                                                     static_cast<int>(bits), packed.mutable_data_ptr<std::uint8_t>(),
+                                                     threads_for(n * 8));
+  return {packed, c.new_full({}, exact, c.options().dtype(at::kBool))};
+}
+
+at::Tensor window_indices_cpu(const at::Tensor& packed, at::IntArrayRef size, at::IntArrayRef plane,
+                              at::IntArrayRef kernel, at::IntArrayRef stride, at::IntArrayRef padding,
+                              at::IntArrayRef dilation, std::int64_t bits) {
+  const maxpool::Geometry g =
+      bindings::window_geometry("window_indices", size, plane, kernel, stride, padding, dilation, bits);
+  const at::Tensor p = packed.contiguous();
+  at::Tensor out = p.new_empty(size, p.options().dtype(at::kLong));
+  bindings::check_packed("window_indices", "window_code", packed, bits, out.numel());
+  const std::int64_t planes = g.OH * g.OW > 0 ? out.numel() / (g.OH * g.OW) : 0;
+  const bool ok = planes == 0 || cpu::window_indices(p.const_data_ptr<std::uint8_t>(), planes, g, static_cast<int>(bits),
+                                                     out.mutable_data_ptr<std::int64_t>(), threads_for(out.numel() * 8));
+  TORCH_CHECK_VALUE(ok, "torchstash::window_indices: a code is past its window's positions; pass the codes ",
+                    "window_code made with these arguments");
+  return out;
+}
+
 at::Tensor topk_mask_cpu(const at::Tensor& x, std::int64_t segments, std::int64_t k, bool exact) {
   const sparse::KeyKind kind = bindings::check_topk_mask(x, segments, k, exact);
   const at::Tensor c = x.contiguous();
@@ -531,6 +565,12 @@ TORCH_LIBRARY(torchstash, m) {
   m.def(
       "max_pool2d_code_backward(Tensor grad, Tensor packed, SymInt[] input_size, int[] kernel, int[] stride, "
       "int[] padding, int[] dilation, bool ceil_mode, int bits) -> Tensor");
+  m.def(
+      "window_code(Tensor indices, Tensor table, int[] plane, int[] kernel, int[] stride, int[] padding, "
+      "int[] dilation, int bits) -> (Tensor, Tensor)");
+  m.def(
+      "window_indices(Tensor packed, SymInt[] size, int[] plane, int[] kernel, int[] stride, int[] padding, "
+      "int[] dilation, int bits) -> Tensor");
   m.def("topk_mask(Tensor x, int segments, int k, bool exact) -> Tensor");
   m.def("mask_compact(Tensor x, Tensor mask, int kept) -> Tensor");
   m.def("mask_scatter(Tensor mask, Tensor values, SymInt numel) -> Tensor");
@@ -562,6 +602,8 @@ TORCH_LIBRARY_IMPL(torchstash, CPU, m) {
   m.impl("sign_select", &torchstash::sign_select_cpu);
   m.impl("max_pool2d_code", &torchstash::max_pool2d_code_cpu);
   m.impl("max_pool2d_code_backward", &torchstash::max_pool2d_code_backward_cpu);
+  m.impl("window_code", &torchstash::window_code_cpu);
+  m.impl("window_indices", &torchstash::window_indices_cpu);
   m.impl("topk_mask", &torchstash::topk_mask_cpu);
   m.impl("mask_compact", &torchstash::mask_compact_cpu);
   m.impl("mask_scatter", &torchstash::mask_scatter_cpu);

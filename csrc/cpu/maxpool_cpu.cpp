@@ -127,6 +127,19 @@ bool scatter_plane(const float* grad, const std::uint8_t* codes, const Geometry&
   return ok;
 }
 
+// An index `first + offset` as the reference computes it: in int32 arithmetic (wrapping, as
+// torch's int32 ops do) where the plane has fewer than 2^31 elements, else in int64.
+inline index_t index_at(index_t first, index_t offset, bool narrow) {
+  if (!narrow) return first + offset;
+  return static_cast<std::int32_t>(static_cast<std::uint32_t>(first) + static_cast<std::uint32_t>(offset));
+}
+
+// An index's offset from its window's first element, as the reference computes it (see index_at).
+inline index_t offset_of(std::int64_t index, index_t first, bool narrow) {
+  if (!narrow) return index - first;
+  return static_cast<std::int32_t>(static_cast<std::uint32_t>(index) - static_cast<std::uint32_t>(first));
+}
+
 }  // namespace
 
 void max_pool2d_code(const float* x, index_t planes, const Geometry& g, const std::uint8_t* table,
@@ -154,6 +167,58 @@ bool max_pool2d_code_backward(const float* grad, const std::uint8_t* packed, ind
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && planes > 1) reduction(&& : ok)
   for (index_t p = 0; p < planes; ++p) {
     ok = scatter_plane(grad + p * per, codes.data() + p * per, g, offsets.data(), gx + p * g.H * g.W) && ok;
+  }
+  return ok;
+}
+
+bool window_code(const std::int64_t* indices, index_t planes, const Geometry& g, const std::uint8_t* table,
+                 index_t table_size, int bits, std::uint8_t* packed, int num_threads) {
+  const index_t per = g.OH * g.OW;
+  const bool narrow = g.H * g.W < (index_t{1} << 31);
+  const std::vector<index_t> offsets = code_offsets(g);
+  std::vector<std::uint8_t> codes(static_cast<std::size_t>(planes * per));
+  bool exact = true;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && planes > 1) reduction(&& : exact)
+  for (index_t p = 0; p < planes; ++p) {
+    unsigned misses = 0;  // counted without branches: which index misreads is data
+    for (index_t oh = 0; oh < g.OH; ++oh) {
+      const index_t row_first = (oh * g.sH - g.pH) * g.W - g.pW;
+      const std::int64_t* in = indices + p * per + oh * g.OW;
+      std::uint8_t* out = codes.data() + p * per + oh * g.OW;
+      for (index_t ow = 0; ow < g.OW; ++ow) {
+        const index_t first = row_first + ow * g.sW;
+        const std::uint8_t code = code_at(table, table_size, offset_of(in[ow], first, narrow));
+        out[ow] = code;  // a table's code is always one of the window's positions
+        misses |= static_cast<unsigned>(index_at(first, offsets[code], narrow) != in[ow]);
+      }
+    }
+    exact = exact && misses == 0;
+  }
+  pack_bits(codes.data(), planes * per, bits, packed, num_threads);
+  return exact;
+}
+
+bool window_indices(const std::uint8_t* packed, index_t planes, const Geometry& g, int bits, std::int64_t* indices,
+                    int num_threads) {
+  const index_t per = g.OH * g.OW;
+  const bool narrow = g.H * g.W < (index_t{1} << 31);
+  const std::vector<index_t> offsets = code_offsets(g);
+  std::vector<std::uint8_t> codes(static_cast<std::size_t>(planes * per));
+  unpack_bits(packed, planes * per, bits, codes.data(), num_threads);
+  bool ok = true;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && planes > 1) reduction(&& : ok)
+  for (index_t p = 0; p < planes; ++p) {
+    bool plane_ok = true;
+    for (index_t oh = 0; oh < g.OH; ++oh) {
+      for (index_t ow = 0; ow < g.OW; ++ow) {
+        const index_t o = p * per + oh * g.OW + ow;
+        const index_t first = (oh * g.sH - g.pH) * g.W + ow * g.sW - g.pW;
+        const std::uint8_t code = codes[static_cast<std::size_t>(o)];
+        plane_ok = plane_ok && code < g.kH * g.kW;
+        indices[o] = index_at(first, code < g.kH * g.kW ? offsets[code] : 0, narrow);
+      }
+    }
+    ok = ok && plane_ok;
   }
   return ok;
 }

@@ -103,6 +103,18 @@ void max_pool2d_code(const float* x, index_t planes, const maxpool::Geometry& g,
 bool max_pool2d_code_backward(const float* grad, const std::uint8_t* packed, index_t planes,
                               const maxpool::Geometry& g, int bits, float* gx, int num_threads);
 
+// A stock pool's int64 indices[0, planes * g.OH * g.OW) (flat in planes of g.H x g.W) as their
+// positions in their windows, table[offset from the window's first element], packed at
+// `bits`: torchstash.windows.encode_positions and pack_bits, in its int32 arithmetic where a
+// plane has fewer than 2^31 elements. Returns whether every position gives its index back.
+bool window_code(const std::int64_t* indices, index_t planes, const maxpool::Geometry& g, const std::uint8_t* table,
+                 index_t table_size, int bits, std::uint8_t* packed, int num_threads);
+
+// The indices back from window_code's positions (decode_positions); false when a code is past
+// the window's positions.
+bool window_indices(const std::uint8_t* packed, index_t planes, const maxpool::Geometry& g, int bits,
+                    std::int64_t* indices, int num_threads);
+
 // Channel-wise 8-bit layout (channelquant.h): element i of x[0, n) belongs to channel
 // (i / inner) % channels; n is a multiple of inner * channels.
 // mn, mx[0, channels) <- min and max over each channel's finite elements (+inf, -inf when it

@@ -30,6 +30,8 @@ POOL_TABLE = torch.tensor(
     [0, 1, 2, 0, 0, 0, 0, 0, 3, 4, 5, 0, 0, 0, 0, 0, 6, 7, 8], dtype=torch.uint8
 )
 POOL_OUT, POOL_CODES = K.max_pool2d_code(POOL_X, *POOL, POOL_TABLE, 4, impl="ref")
+POOL_INDICES = torch.nn.functional.max_pool2d(POOL_X, 3, 2, 1, return_indices=True)[1]
+WINDOW = ([8, 8], [3, 3], [2, 2], [1, 1], [1, 1])
 
 
 def op_named(name: str) -> Any:
@@ -168,6 +170,18 @@ CASES = [
         (POOL_OUT, POOL_CODES, list(POOL_X.shape), *POOL, 4),
         lambda *a: K.max_pool2d_code_backward(*a, impl="kernel"),
         {0: ("grad", POOL_OUT.double()), 1: ("packed", POOL_CODES.long()), 8: ("bits", 3)},
+    ),
+    Case(
+        "window_code",
+        (POOL_INDICES, POOL_TABLE, *WINDOW, 4),
+        lambda *a: K.window_code(*a, impl="kernel"),
+        {0: ("indices", POOL_INDICES.int()), 1: ("table", POOL_TABLE.long()), 7: ("bits", 3)},
+    ),
+    Case(
+        "window_indices",
+        (POOL_CODES, list(POOL_INDICES.shape), *WINDOW, 4),
+        lambda *a: K.window_indices(*a, impl="kernel"),
+        {0: ("packed", POOL_CODES.long()), 7: ("bits", 3)},
     ),
 ]
 BROKEN = [(c, i) for c in CASES for i in c.broken]

@@ -184,3 +184,42 @@ def test_a_code_that_is_no_position_is_refused_by_name() -> None:
         K.max_pool2d_code_backward(grad, torch.full_like(packed, 0xFF), x.shape, *geometry, bits)
     with pytest.raises(ValueError, match="max_pool2d_code_backward: grad has shape"):
         K.max_pool2d_code_backward(grad, packed, (1, 2, 9, 9), *geometry, bits)
+
+
+# -- code_indices: a stock pool's indices coded and checked in one pass ---------------------------
+
+
+@pytest.mark.parametrize("flip", [False, True], ids=["its-own", "misread"])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=str)
+def test_code_indices_is_encode_positions_with_its_check(
+    geometry: tuple[tuple[int, ...], ...], flip: bool
+) -> None:
+    """The same bytes as :func:`encode_positions` and ``pack_bits``, None exactly where
+    :func:`decode_positions` would not give the indices back (indices of another window),
+    and the indices back from the code; the kernel bit for bit its reference."""
+    kernel, stride, padding, dilation, ceil_mode = geometry
+    x = _pool_input((2, 3, 11, 13), "ties")
+    _, indices = F.max_pool2d(x, kernel, stride, padding, dilation, ceil_mode, return_indices=True)
+    if flip:
+        indices = indices.flip(-1)
+    plane = tuple(x.shape[-2:])
+    starts = window_starts(indices.shape[-2:], stride, padding, x.device)
+    code = encode_positions(indices, plane, starts, kernel, dilation)
+    exact = torch.equal(decode_positions(code, plane, starts, kernel, dilation), indices)
+    coded = windows.code_indices(indices, plane, kernel, stride, padding, dilation)
+    assert (coded is not None) == exact
+    bits = window_bits(kernel[0] * kernel[1])
+    assert bits is not None
+    packed = K.pack_bits(code.reshape(-1), bits)
+    if coded is not None:
+        assert coded[1] == bits and torch.equal(coded[0], packed)
+        back = windows.indices_from_code(coded[0], indices.shape, plane, *geometry[:4], bits)
+        assert torch.equal(back, indices)
+    if K.available("cpu"):
+        table = windows._tables(indices, plane, kernel, dilation)[0]
+        args = (plane, kernel, stride, padding, dilation, bits)
+        for impl in ("ref", "kernel"):
+            p, e = K.window_code(indices, table, *args, impl=impl)
+            assert torch.equal(p, packed) and bool(e) == exact
+            back = K.window_indices(packed, indices.shape, *args, impl=impl)
+            assert torch.equal(back, decode_positions(code, plane, starts, kernel, dilation))

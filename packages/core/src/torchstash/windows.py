@@ -10,6 +10,8 @@ pool indices (memsave's pooling layers, quant's op-aware codes).
 of contiguous float32 planes on the CPU, :func:`pool_code_refusal` says why not elsewhere),
 and :func:`pool_code_backward` scatters the gradient from them: no int64 index is written
 or read, where ATen's pool writes them and the coding above reads and writes them again.
+:func:`code_indices` codes a stock pool's indices and checks them in one pass (quant's pool
+code), :func:`indices_from_code` gives them back.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .kernels import max_pool2d_code, max_pool2d_code_backward
+from .kernels import max_pool2d_code, max_pool2d_code_backward, window_code, window_indices
 from .kernels.maxpool_reference import pool_output_size
 
 
@@ -199,6 +201,42 @@ def pool_code_backward(
     return max_pool2d_code_backward(
         grad, packed, input_size, kernel, stride, padding, dilation, ceil_mode, bits
     )
+
+
+def code_indices(
+    indices: torch.Tensor,
+    plane: Sequence[int],
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+) -> tuple[torch.Tensor, int] | None:
+    """A stock 2-d pool's int64 ``indices`` (into planes of ``plane``) as their positions in
+    their windows, packed, and the width; None when a window holds over 256 positions or a
+    position does not give its index back (indices this geometry misreads). One kernel pass
+    on the CPU (:func:`torchstash.kernels.window_code`): :func:`encode_positions`, the check
+    and the packing."""
+    bits = window_bits(math.prod(kernel))
+    if bits is None or indices.dim() < 2:
+        return None
+    table, low, _ = _tables(indices, plane, kernel, dilation)
+    assert low == 0  # a window's first element is its lowest offset
+    packed, exact = window_code(indices, table, plane, kernel, stride, padding, dilation, bits)
+    return (packed, bits) if bool(exact) else None
+
+
+def indices_from_code(
+    packed: torch.Tensor,
+    size: Sequence[int],
+    plane: Sequence[int],
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    bits: int,
+) -> torch.Tensor:
+    """The int64 indices of ``size`` that :func:`code_indices` coded."""
+    return window_indices(packed, size, plane, kernel, stride, padding, dilation, bits)
 
 
 def encode_positions(

@@ -6,8 +6,9 @@ arguments), each index is stored as its position inside its window, packed at
 :func:`~torchstash.windows.window_bits` bits (2x2: 2 bits, 3x3: 4), exactly. On the bench
 zoo's ResNet the stem pool's indices were a fifth of everything ``quant.int8`` kept.
 
-Compressing checks the positions give the indices back (one comparison; on CUDA, one host
-synchronisation per pool): indices this module misreads are left as they are.
+Compressing checks the positions give the indices back (in the same kernel pass on the CPU;
+on CUDA, one host synchronisation per pool): indices this module misreads are left as they
+are.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from typing import Any
 
 import torch
 
-from torchstash.kernels import pack_bits, unpack_bits
 from torchstash.packed import Packed
-from torchstash.windows import decode_positions, encode_positions, window_bits, window_starts
+from torchstash.windows import code_indices, indices_from_code
 
 #: Raw function names of the 2-d max pool whose indices this code stores.
 POOL_FUNCS = frozenset({"max_pool2d", "max_pool2d_with_indices"})
@@ -66,22 +66,14 @@ def pool_geometry(args: Sequence[Any], kwargs: dict[str, Any]) -> Geometry | Non
     return (int(x.shape[-2]), int(x.shape[-1]), *kernel, *stride, *padding, *dilation)
 
 
-def _window(shape: torch.Size, g: Sequence[int], device: torch.device) -> tuple[Any, ...]:
-    """(input plane sizes, window starts, kernel, dilation) for indices of ``shape``."""
-    return (g[0:2], window_starts(shape[-2:], g[4:6], g[6:8], device), g[2:4], g[8:10])
-
-
 def pack_pool_positions(indices: torch.Tensor, g: Geometry) -> Packed | None:
     """``indices`` as positions in their windows, or None when a window holds more than 256
     positions or the positions do not give the indices back."""
-    bits = window_bits(g[2] * g[3])
-    if bits is None or indices.dim() < 2:
+    coded = code_indices(indices, g[0:2], g[2:4], g[4:6], g[6:8], g[8:10])
+    if coded is None:
         return None
-    window = _window(indices.shape, g, indices.device)
-    code = encode_positions(indices, *window)
-    if not torch.equal(decode_positions(code, *window), indices):
-        return None
-    packed = Packed.like(indices, CODEC, codes=pack_bits(code, bits))
+    codes, bits = coded
+    packed = Packed.like(indices, CODEC, codes=codes)
     packed.meta.update(bits=bits, geometry=g)
     return packed
 
@@ -89,5 +81,4 @@ def pack_pool_positions(indices: torch.Tensor, g: Geometry) -> Packed | None:
 def unpack_pool_positions(packed: Packed) -> torch.Tensor:
     codes, g, bits = packed.tensors["codes"], packed.meta["geometry"], packed.meta["bits"]
     assert isinstance(codes, torch.Tensor) and isinstance(g, tuple) and isinstance(bits, int)
-    code = unpack_bits(codes, bits, packed.numel).view(packed.shape)
-    return decode_positions(code, *_window(packed.shape, g, codes.device))
+    return indices_from_code(codes, packed.shape, g[0:2], g[2:4], g[4:6], g[6:8], g[8:10], bits)

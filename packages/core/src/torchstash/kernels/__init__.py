@@ -12,6 +12,7 @@ back (``row_group_quantize``/``row_group_dequantize``: fused with the group code
 (``sign_select``: a gradient kept where those bits are set, a ReLU's backward; CPU kernel),
 ``max_pool2d_code``/``max_pool2d_code_backward`` pool and keep each argmax as its position in
 the window at 1-8 bits, and scatter the gradient back from it (memsave's MaxPool; CPU kernel),
+``window_code``/``window_indices`` code a stock pool's indices so and back (CPU kernel),
 ``topk_mask``/``mask_compact``/``mask_scatter``/``mask_offsets``/``offsets_scatter`` keep the
 ``k`` largest magnitudes per segment as a 1-bit mask or 16-bit offsets plus values; each
 runs a JIT-built C++/CUDA kernel when one is available (see ``status()``) and the
@@ -35,7 +36,7 @@ from .fp8 import fp8_dequantize, fp8_quantize
 from .groupquant import group_dequantize, group_quantize, group_steps
 from .levelquant import level_quantize
 from .loader import available, load, status
-from .maxpool import max_pool2d_code, max_pool2d_code_backward
+from .maxpool import max_pool2d_code, max_pool2d_code_backward, window_code, window_indices
 from .philox import philox_uniform
 from .rowcenter import row_center, row_group_dequantize, row_group_quantize, row_uncenter
 from .sparse import (
@@ -83,4 +84,6 @@ __all__ = [
     "topk_mask",
     "unpack_bits",
     "unpack_mask",
+    "window_code",
+    "window_indices",
 ]

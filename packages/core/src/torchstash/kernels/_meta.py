@@ -278,6 +278,17 @@ FAKES: dict[str, Fake] = {
         (_dtype("grad", torch.float32), _bits, _dtype("packed", torch.uint8)),
         lambda a: a.grad.new_empty(list(a.input_size)),
     ),
+    "window_code": Fake(
+        (_dtype("indices", torch.int64), _bits, _dtype("table", torch.uint8)),
+        lambda a: (
+            _empty(a.indices, packed_size(a.indices.numel(), a.bits), torch.uint8),
+            a.indices.new_empty((), dtype=torch.bool),
+        ),
+    ),
+    "window_indices": Fake(
+        (_dtype("packed", torch.uint8), _bits),
+        lambda a: a.packed.new_empty(list(a.size), dtype=torch.int64),
+    ),
     "topk_mask": Fake(
         (_float("x"), _count("segments"), _count("k", 0)),
         lambda a: _empty(a.x, (a.x.numel() + 7) // 8, torch.uint8),

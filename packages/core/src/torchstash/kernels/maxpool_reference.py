@@ -1,7 +1,9 @@
 """The pure-PyTorch definition of ``max_pool2d_code`` and its backward (the golden model of
 ``csrc/cpu/maxpool_cpu.cpp``): ATen's pool with indices, each index coded as its offset from
 its window's first element through the caller's table, packed; and back, the positions as
-indices into ATen's backward."""
+indices into ATen's backward. ``window_code`` and ``window_indices`` code a stock pool's
+indices so, and back (``torchstash.windows.encode_positions`` and ``decode_positions``, in
+their int32 arithmetic where a plane has fewer than 2^31 elements)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ __all__ = [
     "max_pool2d_code_backward_ref",
     "max_pool2d_code_ref",
     "pool_output_size",
+    "window_code_ref",
     "window_firsts",
+    "window_indices_ref",
 ]
 
 aten = torch.ops.aten
@@ -97,3 +101,68 @@ def max_pool2d_code_backward_ref(
         ceil_mode,
         indices,
     )
+
+
+def _index_type(plane: Sequence[int]) -> torch.dtype:
+    return torch.int32 if int(plane[0]) * int(plane[1]) < 2**31 else torch.int64
+
+
+def _code_offsets(
+    plane: Sequence[int], kernel: Sequence[int], dilation: Sequence[int]
+) -> list[int]:
+    """Position ``i * kernel_w + j`` -> its offset ``i * dilation_h * W + j * dilation_w``."""
+    width = int(plane[1])
+    return [
+        i * dilation[0] * width + j * dilation[1]
+        for i in range(kernel[0])
+        for j in range(kernel[1])
+    ]
+
+
+def window_code_ref(
+    indices: torch.Tensor,
+    table: torch.Tensor,
+    plane: Sequence[int],
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    bits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the indices' positions packed at ``bits``, whether every position gives its index
+    back: a 0-dim bool)."""
+    itype = _index_type(plane)
+    firsts = window_firsts(indices.shape[-2:], int(plane[1]), stride, padding, indices.device)
+    firsts = firsts.to(itype)
+    relative = indices.to(itype, copy=True).sub_(firsts).clamp_(0, table.numel() - 1)
+    codes = torch.index_select(table, 0, relative.reshape(-1)).view(indices.shape)
+    offsets = torch.tensor(
+        _code_offsets(plane, kernel, dilation), dtype=itype, device=indices.device
+    )
+    found = torch.index_select(offsets, 0, codes.reshape(-1).to(itype)).view(indices.shape)
+    exact = torch.equal(found.add_(firsts).long(), indices)
+    return pack_bits_ref(codes.reshape(-1), bits), torch.tensor(exact, device=indices.device)
+
+
+def window_indices_ref(
+    packed: torch.Tensor,
+    size: Sequence[int],
+    plane: Sequence[int],
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    bits: int,
+) -> torch.Tensor:
+    """The int64 indices of :func:`window_code_ref`'s positions."""
+    itype = _index_type(plane)
+    numel = 1
+    for n in size:
+        numel *= n
+    codes = unpack_bits_ref(packed, bits, numel).view(*size)
+    firsts = window_firsts(codes.shape[-2:], int(plane[1]), stride, padding, packed.device)
+    offsets = torch.tensor(
+        _code_offsets(plane, kernel, dilation), dtype=itype, device=packed.device
+    )
+    found = torch.index_select(offsets, 0, codes.reshape(-1).to(itype)).view(codes.shape)
+    return found.add_(firsts.to(itype)).long()
