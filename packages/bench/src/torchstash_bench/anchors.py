@@ -16,8 +16,9 @@ and leaves for backward (GACT's "activation memory"; on the CPU glibc's heap, re
 thread: :mod:`torchstash.testing.heap`), and on CUDA ``peak MB``, the allocator's peak over a
 whole step (forward, backward, optimizer step, the weights and the optimizer's state included,
 as the papers measured). Speed is measured with every copy alive, the methods taking turns
-step by step: images per second from the median step. ``--scale tiny`` runs small images and
-batches (a CPU check of the bench itself).
+in shuffled rounds of a few steps each (:mod:`torchstash_bench.turns`): images per second
+from the median step. ``--scale tiny`` runs small images and batches (a CPU check of the
+bench itself).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from .common import (
     timing_arguments,
 )
 from .compare_methods import CHECKPOINT, Attached, Method, methods
+from .turns import turns
 
 
 @dataclass(frozen=True)
@@ -213,12 +215,12 @@ def measure(
         for _ in range(warmup):
             for run in live:
                 _step(run, anchor, x, y)
-        for _ in range(steps):
-            for run in live:
-                _sync(device)
-                t0 = time.perf_counter()
-                _step(run, anchor, x, y)
-                _sync(device)
+        for run, timed in turns(live, steps):  # shuffled rounds, blocks of steps
+            _sync(device)
+            t0 = time.perf_counter()
+            _step(run, anchor, x, y)
+            _sync(device)
+            if timed:
                 assert run.times is not None
                 run.times.append(time.perf_counter() - t0)
     stock = runs[0]

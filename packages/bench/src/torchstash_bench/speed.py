@@ -4,8 +4,11 @@ Three models none of the tests use, each where a different cost shows: a host-bo
 (64 small linears: the engine's Python per saved tensor is most of the step), a small CNN
 (conv-BN-ReLU: kernels and rewrites) and a pre-norm GPT with SDPA of width 512 (the
 transformer users train). Every method runs on its own copy of one model; after the warm-up
-steps (``quant.auto`` allocates there) the methods take turns step by step in one process, and
-each gets its median step time over stock's (``x stock``) and its mean over stock's mean
+steps (``quant.auto`` allocates there) the methods take turns in one process, in shuffled
+rounds of a few steps each, each timed step after one of its own method
+(:mod:`torchstash_bench.turns`: in a fixed order a method reads faster after another
+torchstash method, whose steps warm its code), and each gets its median step time over
+stock's (``x stock``) and its mean over stock's mean
 (``x mean``: a step that runs now and then, ``quant.auto`` measuring and allocating, weighs
 in the mean and not in the median, as it does in an epoch). ``us/saved`` is the step time above stock's
 divided by the tensors stock saves in a step; ``engine us`` the time a step spends inside
@@ -59,6 +62,7 @@ from .common import (
     timing_arguments,
 )
 from .compare_methods import CHECKPOINT, EMPTY_HOOKS, Attached, HeldCounter, Method, methods
+from .turns import turns
 
 #: what the table measures by default: nothing compressed (and under it, an empty Python
 #: pack/unpack pair: the floor of any saved-tensor hook), the rewrites, the codes, and the
@@ -270,12 +274,12 @@ def measure_model(
         except Exception as e:
             run.error = f"{type(e).__name__}: {e}"
     live = [r for r in runs if r.error is None]
-    for _ in range(steps or entry.steps):  # the methods take turns, step by step
-        for run in live:
-            _sync(device)
-            t0 = time.perf_counter()
-            step(run)
-            _sync(device)
+    for run, timed in turns(live, steps or entry.steps):  # shuffled rounds, blocks of steps
+        _sync(device)
+        t0 = time.perf_counter()
+        step(run)
+        _sync(device)
+        if timed:
             assert run.times is not None
             run.times.append(time.perf_counter() - t0)
     engine_us: dict[str, float] = {}
