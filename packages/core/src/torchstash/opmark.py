@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ __all__ = [
     "as_op",
     "autocast_now",
     "engine_active",
+    "tracking",
     "untracked",
 ]
 
@@ -77,14 +78,7 @@ class OpState(threading.local):
 STATE = OpState()
 
 
-@contextlib.contextmanager
-def as_op(
-    op: str,
-    args: Sequence[Any] = (),
-    kwargs: dict[str, Any] | None = None,
-    *,
-    func: str | None = None,
-) -> Iterator[None]:
+class as_op:
     """Name the op running inside the block, for what a custom ``autograd.Function`` saves.
 
     The tracker sees torch calls, not a Function's ``apply``; a plug-in's Function (memsave's
@@ -93,22 +87,46 @@ def as_op(
     ``func`` is the raw name sites report (default ``op``); a plug-in's own op is named
     ``<prefix>.<name>`` (``memsave.relu``), and may have a code of its own for what it saves,
     registered as a policy default (:meth:`~torchstash.registry.Registry.register_op_default`).
+    A class, not a generator: it runs around every such layer's call, where contextlib's
+    wrapper took three more Python calls each time.
     """
-    state = STATE
-    prev = (state.op, state.raw, state.func, state.args, state.kwargs, state.autocast)
-    state.op, state.raw, state.func = op, func or op, None
-    state.args, state.kwargs, state.autocast = args, kwargs or {}, autocast_now()
-    state.call_id += 1
-    try:
-        yield
-    finally:
-        state.op, state.raw, state.func, state.args, state.kwargs, state.autocast = prev
+
+    __slots__ = ("_new", "_prev")
+
+    def __init__(
+        self,
+        op: str,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        func: str | None = None,
+    ) -> None:
+        self._new = (op, func or op, args, kwargs or {})
+        self._prev: tuple[Any, ...] = ()
+
+    def __enter__(self) -> None:
+        state = STATE
+        self._prev = (state.op, state.raw, state.func, state.args, state.kwargs, state.autocast)
+        state.op, state.raw, state.args, state.kwargs = self._new
+        state.func = None
+        state.autocast = autocast_now()
+        state.call_id += 1
+
+    def __exit__(self, *exc: object) -> None:
+        state = STATE
+        state.op, state.raw, state.func, state.args, state.kwargs, state.autocast = self._prev
 
 
 def engine_active() -> bool:
     """True while a torchstash engine takes the saves on this thread: recording them (its
     tracker on) or replaying a recorded forward (no tracker)."""
     return STATE.engines > 0
+
+
+def tracking() -> bool:
+    """True while an op tracker is on for this thread (an engine recording, or a region of a
+    replayed forward): only then has :func:`untracked` anything to take off."""
+    return STATE.depth > 0
 
 
 _UNTOUCHED = contextlib.nullcontext()

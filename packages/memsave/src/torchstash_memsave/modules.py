@@ -207,7 +207,16 @@ _RMSNormMixin = _layer_mixin(
 # -- activations, dropout, pooling ----------------------------------------------------------
 
 
-_ReLUMixin = _layer_mixin("relu", "relu", MF.relu, ("inplace",))
+class _ReLUMixin(MemSave):
+    """``MF.relu``, which names its op itself under the engine (a ReLU is every few layers of
+    a CNN: no second name around it)."""
+
+    family = "relu"
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return MF.relu(input, self.inplace)  # type: ignore[attr-defined]
+
+
 _LeakyReLUMixin = _layer_mixin("relu", "leaky_relu", MF.leaky_relu, ("negative_slope", "inplace"))
 _HardtanhMixin = _layer_mixin("relu", "hardtanh", MF.hardtanh, ("min_val", "max_val", "inplace"))
 _DropoutMixin = _layer_mixin("dropout", "dropout", MF.dropout, ("p", "training", "inplace"))

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from torchstash.opmark import as_op, engine_active
+from torchstash.opmark import as_op, engine_active, tracking
 from torchstash.signs import SignBits, sign_bits, sign_gradient
 
 from ._standin import as_uint8, check_inplace, needs_graph, pack_keep_mask, unpack_keep_mask
@@ -200,13 +200,17 @@ def relu(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     Under torchstash's engine the mask is the engine's code of the output, which yields to
     the output itself where another op saves it as is (see :data:`RELU_MASK`).
     """
-    if not needs_graph(input):
+    if not (input.requires_grad and torch.is_grad_enabled()):
         return F.relu(input, inplace)
     if engine_active():
         # stock's op, whose saved output the engine codes as op memsave.relu (RELU_MASK); the
-        # tracker off, which would name the save as a stock ReLU's
-        with as_op("relu", (input,), func=RELU_OP), untracked():
-            return F.relu(input, inplace)
+        # tracker off, which would name the save as a stock ReLU's. Every ReLU of a replayed
+        # forward passes here, the tracker off already: nothing more than the name.
+        with as_op("relu", (input,), func=RELU_OP):
+            if not tracking():
+                return F.relu(input, inplace)
+            with untracked():
+                return F.relu(input, inplace)
     return _apply(input, "relu", 0.0, 0.0, inplace)
 
 
