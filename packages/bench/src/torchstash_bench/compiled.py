@@ -4,7 +4,8 @@
     python -m torchstash_bench.compiled --scale tiny --backend aot_eager --steps 3
     python -m torchstash_bench.compiled --budget 0.5   # both compiled with that memory budget
 
-Per zoo model, four ways taking turns step by step in one process, one thread: compiled
+Per zoo model, four ways taking turns in one process, one thread (in shuffled rounds of a
+few steps each: :mod:`torchstash_bench.turns`): compiled
 stock, the strategy compiled (in the graph where its codes trace: ``torchstash.graphhooks``),
 eager stock, the strategy eagerly. Prints each step's median over its stock's, and the saved
 bytes the tally counts over raw (compiled: what the graph's hooks coded), and the strategy's
@@ -28,6 +29,31 @@ import torch
 
 import torchstash as ts
 from torchstash.testing.models import zoo
+
+from .turns import turns
+
+
+def _step(
+    name: str,
+    run: tuple[torch.nn.Module, Any],
+    entry: Any,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    budget: float | None,
+) -> float:
+    """One training step of ``run`` (the model, and what to call), timed; compiled stock's
+    under the memory budget when one is given."""
+    model, call = run
+    model.zero_grad(set_to_none=True)
+    patch = (
+        torch._functorch.config.patch(activation_memory_budget=budget)
+        if budget is not None and name == "compiled stock"
+        else contextlib.nullcontext()
+    )
+    start = time.perf_counter()
+    with patch:
+        entry.loss(call, x, y).backward()
+    return time.perf_counter() - start
 
 
 def measure(
@@ -56,19 +82,13 @@ def measure(
         times: dict[str, list[float]] = {k: [] for k in runs}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for i in range(warmup + steps):
-                for name, (model, call) in runs.items():
-                    model.zero_grad(set_to_none=True)
-                    patch = (
-                        torch._functorch.config.patch(activation_memory_budget=budget)
-                        if budget is not None and name == "compiled stock"
-                        else contextlib.nullcontext()
-                    )
-                    start = time.perf_counter()
-                    with patch:
-                        entry.loss(call, x, y).backward()
-                    if i >= warmup:
-                        times[name].append(time.perf_counter() - start)
+            for _ in range(warmup):
+                for name, run in runs.items():
+                    _step(name, run, entry, x, y, budget)
+            for name, timed in turns(list(runs), steps):  # shuffled rounds, blocks of steps
+                spent = _step(name, runs[name], entry, x, y, budget)
+                if timed:
+                    times[name].append(spent)
         median = {k: statistics.median(v) for k, v in times.items()}
         rows.append(
             {
