@@ -8,15 +8,11 @@ test (``torchstash.testing.hostreads.KNOWN_HOST_READS``, shared with the CPU's g
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 import torchstash as ts
-from torchstash.testing.hostreads import caller_frames, unexplained
+from torchstash.testing.hostreads import device_waits, unexplained
 from torchstash.testing.models import zoo
 
 #: every strategy, and stock first (a model whose own step waits would fail them all)
@@ -24,32 +20,12 @@ STRATEGIES = [None, *ts.REGISTRY.names()]
 MODELS = {e.name: e for e in zoo("tiny")}
 
 
-@contextlib.contextmanager
-def host_waits() -> Iterator[list[list[str]]]:
-    """The Python stack (function names, innermost last) of each synchronising call inside.
-    The mode is process-wide, so it is set back whatever happens."""
-    found: list[list[str]] = []
-
-    def show(message: object, *args: object, **kwargs: object) -> None:
-        if "called a synchronizing CUDA operation" in str(message):
-            found.append(caller_frames())
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = show
-        try:
-            torch.cuda.set_sync_debug_mode("warn")
-            yield found
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-
 @pytest.mark.cuda
 def test_a_host_read_is_seen() -> None:
     """The gauge itself on a GPU: a read of a device value is caught, with its stack."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU; none is visible to torch here")
-    with host_waits() as stacks:
+    with device_waits() as stacks:
         torch.ones(1, device="cuda").item()
     assert stacks and stacks[0][-1] == "test_cuda_sync:test_a_host_read_is_seen", stacks
 
@@ -69,7 +45,7 @@ def test_a_steady_step_never_waits_for_the_device(strategy: str | None, model_na
             model.zero_grad(set_to_none=True)
             entry.loss(model, x, y).backward()
         torch.cuda.synchronize()
-        with host_waits() as stacks:
+        with device_waits() as stacks:
             loss = entry.loss(model, x, y)
             loss.backward()
         assert torch.isfinite(loss).item()

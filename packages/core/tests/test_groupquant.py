@@ -10,6 +10,7 @@ kernels' own NaN bits).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -26,6 +27,7 @@ from torchstash.kernels.groupquant_reference import (
     num_groups,
 )
 from torchstash.testing.bits import INT_VIEW, assert_bits_equal
+from torchstash.testing.hostreads import device_waits
 
 BITS = [1, 2, 4, 8]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -558,14 +560,13 @@ def test_a_seed_tensor_on_the_data_s_device_is_read_without_a_host_sync(
     want = group_quantize(x, 4, 64, seed=2**63 + 5, impl="kernel")
     seed = _seed(2**63 + 5).to(device)
     xd = x.to(device)
+    waits: contextlib.AbstractContextManager[list[list[str]]] = contextlib.nullcontext([])
     if device.type == "cuda":
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-    try:
+        waits = device_waits()
+    with waits as stacks:
         got = group_quantize(xd, 4, 64, seed=seed, impl="kernel", checked=False)
-    finally:
-        if device.type == "cuda":
-            torch.cuda.set_sync_debug_mode("default")
+    assert not stacks, f"the kernel waited for the device: {stacks}"
     for a, b in zip(got, want, strict=True):
         assert_bits_equal(a.cpu(), b)
 

@@ -9,6 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from torchstash import kernels as K
 from torchstash import windows
+from torchstash.testing.hostreads import host_reads
 from torchstash.windows import decode_positions, encode_positions, window_bits, window_starts
 
 POOLS = {2: F.max_pool2d, 3: F.max_pool3d}
@@ -223,3 +224,23 @@ def test_code_indices_is_encode_positions_with_its_check(
             assert torch.equal(p, packed) and bool(e) == exact
             back = K.window_indices(packed, indices.shape, *args, impl=impl)
             assert torch.equal(back, decode_positions(code, plane, starts, kernel, dilation))
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES[:2], ids=str)
+def test_the_references_read_nothing_on_the_host(geometry: tuple[tuple[int, ...], ...]) -> None:
+    """On CUDA the references are the ops (no kernel of their own there): a host read in them
+    would make every pool's pack and unpack wait for the device. Its check stays a device
+    tensor; reading it is the caller's choice."""
+    kernel, stride, padding, dilation, ceil_mode = geometry
+    x = _pool_input((2, 3, 11, 13), "ties")
+    _, indices = F.max_pool2d(x, kernel, stride, padding, dilation, ceil_mode, return_indices=True)
+    plane = tuple(x.shape[-2:])
+    bits = window_bits(kernel[0] * kernel[1])
+    assert bits is not None
+    table = windows._tables(indices, plane, kernel, dilation)[0]
+    args = (plane, kernel, stride, padding, dilation, bits)
+    with host_reads() as stacks:
+        packed, exact = K.window_code(indices, table, *args, impl="ref")
+        back = K.window_indices(packed, indices.shape, *args, impl="ref")
+    assert not stacks, stacks
+    assert exact.dim() == 0 and bool(exact) and torch.equal(back, indices)

@@ -108,15 +108,17 @@ def _index_type(plane: Sequence[int]) -> torch.dtype:
 
 
 def _code_offsets(
-    plane: Sequence[int], kernel: Sequence[int], dilation: Sequence[int]
-) -> list[int]:
-    """Position ``i * kernel_w + j`` -> its offset ``i * dilation_h * W + j * dilation_w``."""
-    width = int(plane[1])
-    return [
-        i * dilation[0] * width + j * dilation[1]
-        for i in range(kernel[0])
-        for j in range(kernel[1])
-    ]
+    plane: Sequence[int],
+    kernel: Sequence[int],
+    dilation: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Position ``i * kernel_w + j`` -> its offset ``i * dilation_h * W + j * dilation_w``,
+    made on ``device`` (no copy from host values: on CUDA one would wait for the device)."""
+    rows = torch.arange(kernel[0], dtype=dtype, device=device) * (dilation[0] * int(plane[1]))
+    cols = torch.arange(kernel[1], dtype=dtype, device=device) * dilation[1]
+    return (rows.view(-1, 1) + cols.view(1, -1)).reshape(-1)
 
 
 def window_code_ref(
@@ -136,12 +138,10 @@ def window_code_ref(
     firsts = firsts.to(itype)
     relative = indices.to(itype, copy=True).sub_(firsts).clamp_(0, table.numel() - 1)
     codes = torch.index_select(table, 0, relative.reshape(-1)).view(indices.shape)
-    offsets = torch.tensor(
-        _code_offsets(plane, kernel, dilation), dtype=itype, device=indices.device
-    )
+    offsets = _code_offsets(plane, kernel, dilation, itype, indices.device)
     found = torch.index_select(offsets, 0, codes.reshape(-1).to(itype)).view(indices.shape)
-    exact = torch.equal(found.add_(firsts).long(), indices)
-    return pack_bits_ref(codes.reshape(-1), bits), torch.tensor(exact, device=indices.device)
+    exact = found.add_(firsts).long().eq(indices).all()  # on the device: no wait here
+    return pack_bits_ref(codes.reshape(-1), bits), exact
 
 
 def window_indices_ref(
@@ -161,8 +161,6 @@ def window_indices_ref(
         numel *= n
     codes = unpack_bits_ref(packed, bits, numel).view(*size)
     firsts = window_firsts(codes.shape[-2:], int(plane[1]), stride, padding, packed.device)
-    offsets = torch.tensor(
-        _code_offsets(plane, kernel, dilation), dtype=itype, device=packed.device
-    )
+    offsets = _code_offsets(plane, kernel, dilation, itype, packed.device)
     found = torch.index_select(offsets, 0, codes.reshape(-1).to(itype)).view(codes.shape)
     return found.add_(firsts.to(itype)).long()

@@ -15,12 +15,13 @@ from __future__ import annotations
 import contextlib
 import os
 import traceback
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["KNOWN_HOST_READS", "caller_frames", "host_reads", "unexplained"]
+__all__ = ["KNOWN_HOST_READS", "caller_frames", "device_waits", "host_reads", "unexplained"]
 
 #: The functions that read a device value on purpose (``module:function``, the module by its
 #: file's name), and why: each costs a CUDA step one wait for the device (their removal is
@@ -60,6 +61,28 @@ def host_reads() -> Iterator[list[list[str]]]:
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def device_waits() -> Iterator[list[list[str]]]:
+    """On CUDA, inside, each call that waits for the device appends its Python stack
+    (:func:`caller_frames`), as ``torch.cuda.set_sync_debug_mode("warn")`` sees it. The mode
+    is process-wide and set back whatever happens; its own warning (the mode is a prototype)
+    is not raised, so a suite that turns warnings into errors cannot leave it on."""
+    found: list[list[str]] = []
+
+    def show(message: object, *args: object, **kwargs: object) -> None:
+        if "called a synchronizing CUDA operation" in str(message):
+            found.append(caller_frames())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        try:
+            torch.cuda.set_sync_debug_mode("warn")
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
 
 
 def caller_frames() -> list[str]:
