@@ -52,9 +52,18 @@ def dense_strides(x: torch.Tensor) -> tuple[int, ...] | None:
     is contiguous as ``x.contiguous()`` would be."""
     if x.layout != torch.strided or x.numel() <= 1:
         return None
-    if x.is_contiguous() or memory_order(x)[1] is not None:
+    if x.is_contiguous() or _permutes_contiguous(x):
         return tuple(x.stride())
     return None
+
+
+def _permutes_contiguous(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a permutation of a contiguous tensor (asked without a copy: a strided
+    slice's :func:`memory_order` would make one)."""
+    if x.dim() < 2:
+        return False
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), -x.shape[d]))
+    return x.permute(order).is_contiguous()
 
 
 def dense_order(x: torch.Tensor) -> tuple[int, ...]:
