@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -72,6 +73,25 @@ def test_the_command_writes_json(tmp_path: Path) -> None:
     assert speed.main([*argv, "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["method"] for r in rows] == ["stock", "none"]
+
+
+def test_each_model_is_written_when_it_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run cut short (a GPU check's time cap) keeps the models it finished: the JSON holds
+    the first model's rows before the second starts."""
+    out = tmp_path / "speed.json"
+    seen: list[list[str]] = []
+    measure = speed.measure_model
+
+    def spy(entry: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append([r["model"] for r in json.loads(out.read_text())] if out.exists() else [])
+        return measure(entry, *args, **kwargs)
+
+    monkeypatch.setattr(speed, "measure_model", spy)
+    argv = ["--models", "mlp-host,cnn-small", "--strategies", "none", "--steps", "2"]
+    assert speed.main([*argv, "--warmup", "1", "--json", str(out)]) == 0
+    assert seen == [[], ["mlp-host", "mlp-host"]]
 
 
 def test_an_unknown_model_is_refused() -> None:

@@ -505,6 +505,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for label, text in profiles.items():
                 console.print(f"[bold]{escape(label)}[/bold]")
                 console.print(escape(text), soft_wrap=True)
+            if len(chosen) > 1:  # a run cut short keeps the models it finished
+                console.print(speed_table(got, f"{entry.name}: done"))
+                _write_json(args.json, rows)
     where = f"{device}, {args.threads} thread(s)" if device.type == "cpu" else str(device)
     console.print(speed_table(rows, f"torchstash speed on {where}: median step, turns taken"))
     console.print(
@@ -520,11 +523,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"A small Python function here: {warm:.1f} us called twice in a row, {cold:.1f} us "
             "after a pass over 8 MB (as between two saves in a model)."
         )
-    if args.json:
-        path = Path(args.json)
+    _write_json(args.json, rows)
+    return 1 if any(r["error"] and r["method"] != CHECKPOINT for r in rows) else 0
+
+
+def _write_json(where: str | None, rows: list[dict[str, Any]]) -> None:
+    if where:
+        path = Path(where)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(jsonable(rows), indent=2) + "\n")
-    return 1 if any(r["error"] and r["method"] != CHECKPOINT for r in rows) else 0
 
 
 if __name__ == "__main__":
