@@ -1,9 +1,11 @@
 """``python -m torchstash_bench.speed``: what a training step costs under each strategy.
 
-Three models none of the tests use, each where a different cost shows: a host-bound MLP
+Four models none of the tests use, each where a different cost shows: a host-bound MLP
 (64 small linears: the engine's Python per saved tensor is most of the step), a small CNN
-(conv-BN-ReLU: kernels and rewrites) and a pre-norm GPT with SDPA of width 512 (the
-transformer users train). Every method runs on its own copy of one model; after the warm-up
+(conv-BN-ReLU: kernels and rewrites), a pre-norm GPT with SDPA of width 512 (the
+transformer users train) and the same GPT at width 64 (``gpt-host``: its saves are coded but
+its kernels cost next to nothing, so its step shows the host's work per code, which sets a
+GPU step's cost). Every method runs on its own copy of one model; after the warm-up
 steps (``quant.auto`` allocates there) the methods take turns in one process, in shuffled
 rounds of a few steps each, each timed step after one of its own method
 (:mod:`torchstash_bench.turns`: in a fixed order a method reads faster after another
@@ -184,10 +186,25 @@ def _tokens(device: torch.device) -> tuple[Tensor, Tensor]:
     return idx[:, :-1], idx[:, 1:]
 
 
+def _short_tokens(device: torch.device) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 256, (1, 33), generator=g).to(device)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def _host_gpt() -> nn.Module:
+    """``gpt-host``: the GPT at width 64, context 32, batch 1, its saves just over
+    ``min_bytes``: kernels cost next to nothing, so its step is the host's work, as a GPU
+    step on a model of a few milliseconds is (the codes cost 4.2x here and 3.5x on an H200's
+    ``gpt-sdpa``; docs/gpu.md)."""
+    return SpeedGPT(dim=64, heads=4)
+
+
 MODELS = (
     SpeedModel("mlp-host", HostBound, _classes((4, 32), 10), 300),
     SpeedModel("cnn-small", SmallCNN, _classes((8, 3, 32, 32), 10), 60),
     SpeedModel("gpt-sdpa", SpeedGPT, _tokens, 30),
+    SpeedModel("gpt-host", _host_gpt, _short_tokens, 200),
 )
 
 
@@ -453,13 +470,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torchstash_bench.speed",
         description="Step time of each strategy over stock's, and the engine's microseconds "
-        "per saved tensor, on three models (methods take turns in one process).",
+        "per saved tensor, on four models (methods take turns in one process).",
     )
     p.add_argument(
         "--models",
         type=split_names,
         default=None,
-        help="mlp-host,cnn-small,gpt-sdpa (default) and zoo-gpt,zoo-vit,zoo-resnet",
+        help="mlp-host,cnn-small,gpt-sdpa,gpt-host (default) and zoo-gpt,zoo-vit,zoo-resnet",
     )
     p.add_argument("--scale", default="small", help="the zoo models' scale (default: small)")
     p.add_argument(
