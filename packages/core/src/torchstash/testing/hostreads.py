@@ -6,8 +6,10 @@ mode, on a GPU). On the CPU they cost nothing, so nothing would notice one added
 an unpack until a GPU run. :func:`host_reads` records every such call's Python stack on any
 device, so a CPU test can hold the library to the same rule; :func:`unexplained` keeps the
 stacks through none of the functions that read on purpose (:data:`KNOWN_HOST_READS`).
-A copy from host values to the device (``torch.tensor(list, device="cuda")``) is not a read
-and is seen only on a GPU.
+A tensor made from host values (``torch.tensor(list)``, ``torch.as_tensor``) counts too: on a
+GPU it is a copy from pageable memory, which the host waits for. Run with the kernels off
+(``TORCHSTASH_KERNELS=off``), the gauge holds the pure-PyTorch references to the rule as well:
+they are what runs on CUDA for an op whose kernel is the CPU's only.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ _READS: tuple[tuple[Any, str], ...] = (
     *((torch.Tensor, name) for name in _TENSOR_READS),
     *((torch, name) for name in _TORCH_READS),
 )
+#: torch's functions that make a tensor from host values (a tensor argument is no copy)
+_HOST_COPIES = ("tensor", "as_tensor")
 
 
 @contextlib.contextmanager
@@ -46,6 +50,7 @@ def host_reads() -> Iterator[list[list[str]]]:
     Patches torch process-wide (one thread at a time), and puts everything back on exit."""
     found: list[list[str]] = []
     saved = [(owner, name, getattr(owner, name)) for owner, name in _READS]
+    copies = [(torch, name, getattr(torch, name)) for name in _HOST_COPIES]
 
     def recording(original: Any) -> Any:
         def read(*args: Any, **kwargs: Any) -> Any:
@@ -54,12 +59,22 @@ def host_reads() -> Iterator[list[list[str]]]:
 
         return read
 
+    def copying(original: Any) -> Any:
+        def copy(data: Any, *args: Any, **kwargs: Any) -> Any:
+            if not isinstance(data, torch.Tensor):
+                found.append(caller_frames())
+            return original(data, *args, **kwargs)
+
+        return copy
+
     try:
         for owner, name, original in saved:
             setattr(owner, name, recording(original))
+        for owner, name, original in copies:
+            setattr(owner, name, copying(original))
         yield found
     finally:
-        for owner, name, original in saved:
+        for owner, name, original in [*saved, *copies]:
             setattr(owner, name, original)
 
 
