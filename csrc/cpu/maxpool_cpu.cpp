@@ -2,15 +2,14 @@
 // positions' codes in one pass, where ATen writes int64 indices that are then coded in
 // several more; its backward scatters the gradient from the codes. One OpenMP task per
 // run of planes; the codes are written a byte per output and packed at the end (a plane's
-// codes need not start on a byte).
+// codes need not start on a byte). window_code and window_indices code a stock pool's
+// int64 indices so, with the check that each position gives its index back, and back.
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
 
 #include "clones.h"
-#include "simd.h"
 #include "torchstash/bitpack.h"
 #include "torchstash/cpu_kernels.h"
 #include "torchstash/maxpool.h"
