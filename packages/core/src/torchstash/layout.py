@@ -15,16 +15,22 @@ import torch
 def memory_order(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
     """(view of ``x`` that is row-major contiguous, the permutation that undoes it) when
     ``x`` is a dense permutation of a contiguous tensor; else (``x.contiguous()``, None)."""
-    if x.is_contiguous() or x.dim() < 2:
-        return x.contiguous(), None
-    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), -x.shape[d]))
-    xp = x.permute(order)
-    if not xp.is_contiguous():
+    order = None if x.is_contiguous() else _permutation(x)
+    if order is None:
         return x.contiguous(), None
     inverse = [0] * len(order)
     for i, d in enumerate(order):
         inverse[d] = i
-    return xp, tuple(inverse)
+    return x.permute(order), tuple(inverse)
+
+
+def _permutation(x: torch.Tensor) -> tuple[int, ...] | None:
+    """The dimensions of ``x`` from outermost to innermost in memory when permuting them so
+    makes it contiguous, else None; read from the strides, never by a copy."""
+    if x.dim() < 2:
+        return None
+    order = tuple(sorted(range(x.dim()), key=lambda d: (-x.stride(d), -x.shape[d])))
+    return order if x.permute(order).is_contiguous() else None
 
 
 def restore(flat: torch.Tensor, shape: torch.Size, inverse: tuple[int, ...] | None) -> torch.Tensor:
@@ -52,18 +58,9 @@ def dense_strides(x: torch.Tensor) -> tuple[int, ...] | None:
     is contiguous as ``x.contiguous()`` would be."""
     if x.layout != torch.strided or x.numel() <= 1:
         return None
-    if x.is_contiguous() or _permutes_contiguous(x):
+    if x.is_contiguous() or _permutation(x) is not None:
         return tuple(x.stride())
     return None
-
-
-def _permutes_contiguous(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a permutation of a contiguous tensor (asked without a copy: a strided
-    slice's :func:`memory_order` would make one)."""
-    if x.dim() < 2:
-        return False
-    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), -x.shape[d]))
-    return x.permute(order).is_contiguous()
 
 
 def dense_order(x: torch.Tensor) -> tuple[int, ...]:
@@ -72,10 +69,9 @@ def dense_order(x: torch.Tensor) -> tuple[int, ...]:
     otherwise, as :func:`dense_strides`' None restores it. For a tensor of symbolic sizes,
     whose strides are expressions in them."""
     rowmajor = tuple(range(x.dim()))
-    if x.layout != torch.strided or x.is_contiguous() or x.dim() < 2:
+    if x.layout != torch.strided or x.is_contiguous():
         return rowmajor
-    order = tuple(sorted(range(x.dim()), key=lambda d: (-x.stride(d), -x.shape[d])))
-    return order if x.permute(order).is_contiguous() else rowmajor
+    return _permutation(x) or rowmajor
 
 
 def strides_in_order(shape: torch.Size, order: tuple[int, ...]) -> tuple[int, ...]:
