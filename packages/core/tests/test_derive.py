@@ -581,3 +581,36 @@ def test_batch_norm_recipe_keeps_nan_and_inf() -> None:
     got = r(x)
     assert torch.isnan(got[0, 1, 2, 2]) and torch.isinf(got[1, 2, 0, 0])
     assert torch.equal(got.isfinite(), x.isfinite())
+
+
+@pytest.mark.parametrize("kind", ["causal-bool", "random-bool", "additive", "none"])
+def test_a_fused_attention_with_a_mask_is_recomputed_bit_exact(kind: str) -> None:
+    """A fused attention's output and log-sum-exp are recomputed by its kernel from exact
+    ``q``, ``k``, ``v`` and its mask as the call passed it to that kernel: a boolean mask
+    becomes the additive one ``scaled_dot_product_attention`` makes of it (before, the CPU
+    replay passed it as given, and backward raised). Gradients are stock's bit for bit."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 48)
+    x = torch.randn(2, 8, 16)
+    masks = {
+        "causal-bool": torch.ones(8, 8, dtype=torch.bool).tril(),
+        "random-bool": (torch.rand(2, 1, 8, 8) > 0.3) | torch.eye(8, dtype=torch.bool),
+        "additive": torch.zeros(2, 1, 8, 8).masked_fill(
+            torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf")
+        ),
+        "none": None,
+    }
+    mask = masks[kind]
+
+    def grads() -> list[torch.Tensor]:
+        lin.zero_grad(set_to_none=True)
+        q, k, v = lin(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask).square().sum().backward()
+        return [p.grad.clone() for p in lin.parameters() if p.grad is not None]
+
+    want = grads()
+    with ts.stash("test.derive", min_bytes=0) as h:
+        got = grads()
+    assert sum(r.derived for r in h.tally.rows.values()) == 2  # the output and log-sum-exp
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)

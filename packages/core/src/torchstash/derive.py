@@ -354,9 +354,22 @@ class AttentionKernel(NamedTuple):
     takes_mask: bool = True
 
 
-def _cpu_flash(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+def _cpu_flash(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """The CPU kernel as ``scaled_dot_product_attention`` calls it: a boolean mask (True:
+    attend) becomes the additive one it passes (0 where True, -inf where False)."""
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        additive = torch.zeros_like(attn_mask, dtype=q.dtype)
+        attn_mask = additive.masked_fill_(attn_mask.logical_not(), float("-inf"))
     out: tuple[torch.Tensor, ...] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        *args, **kwargs
+        q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
     )
     return out
 
