@@ -528,3 +528,136 @@ def test_an_attention_called_otherwise_stays_exact(change: str) -> None:
     finally:
         a.remove()
         b.remove()
+
+
+class _Fused(nn.Module):
+    """A pre-norm block whose attention is ``F.scaled_dot_product_attention``, its arguments
+    read at each call; ``memory`` (set by a test) makes it cross-attention, over a memory of
+    that many rows."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.causal = True
+        self.scale: float | None = None
+        self.mask = False
+        self.dropout = 0.0
+        self.memory = 0
+        self.dense_values = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        h = c // self.heads
+        q, k, v = self.qkv(self.norm(x)).view(b, n, 3, self.heads, h).permute(2, 0, 3, 1, 4)
+        if self.memory:  # the first rows' keys and values, repeated: another length
+            k = k[:, :, :1].expand(b, self.heads, self.memory, h)
+            v = v[:, :, :1].expand(b, self.heads, self.memory, h)
+        if self.dense_values:  # saved after ``k`` and ``q``: a miss once those are coded
+            v = v.contiguous()
+        mask = torch.ones(n, k.shape[2], dtype=torch.bool).tril() if self.mask else None
+        out = nn.functional.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout,
+            is_causal=self.causal and mask is None and not self.memory,
+            scale=self.scale,
+        )
+        return x + self.proj(out.transpose(1, 2).reshape(b, n, c))
+
+
+def _fused() -> nn.Module:
+    """Two blocks after a projection (a LayerNorm's output is recomputed from its input's
+    code only where that input has a node to check: not the model's input)."""
+    return nn.Sequential(nn.Linear(32, 32), _Fused(), _Fused(), nn.Flatten(), nn.Linear(32 * 16, 4))
+
+
+@pytest.mark.parametrize("strategy", [*REPLAYING, "quant.auto"])
+def test_a_fused_attention_replays_without_the_op_tracker(strategy: str, tracked: Tracked) -> None:
+    """A fused attention's ``q``, ``k``, ``v`` are coded and its output and log-sum-exp
+    recomputed from them (:mod:`torchstash.engine.attention`): recorded once, rebuilt on the
+    next steps behind the call's node, with no region and no op tracker, the full path's
+    gradients and tally bit for bit (``quant.auto`` measures on the full path now and then)."""
+    full, ours, a, b = twins(strategy, _fused)
+    try:
+        x = torch.randn(2, 16, 32)
+        if strategy == "quant.auto":
+            for _ in range(6):
+                a.tally.reset()
+                b.tally.reset()
+                torch.testing.assert_close(grads(ours, x), grads(full, x), rtol=0, atol=0)
+                assert tally_rows(b.tally) == tally_rows(a.tally)
+        else:
+            as_the_full_path(full, ours, a, b, x, tracked, steps=5)
+        trace = b.engine.replayer.trace
+        assert trace is not None and not trace.regions
+        attends = [m for m in trace.moves if m.kind == "attend"]
+        assert len(attends) == 4  # each call's output and log-sum-exp
+        assert sum(m.attends for m in trace.moves) == 6  # each call's q, k, v
+        assert b.engine.replayer.missed == 0
+        assert sum(r.derived for r in b.tally.rows.values()) >= 4
+    finally:
+        a.remove()
+        b.remove()
+
+
+@pytest.mark.parametrize("change", ["causal", "scale", "mask", "dropout", "memory", "layout"])
+def test_a_fused_attention_called_otherwise_misses_and_stays_exact(change: str) -> None:
+    """A replayed fused attention whose call changes. Its ``q``, ``k``, ``v`` are coded before
+    its node can be checked (its output is saved after them): a new ``is_causal``, scale,
+    mask or dropout is seen on the output's node, a memory of another length on the key's
+    shape, values of another layout on theirs (saved after ``k`` and ``q``, by then coded);
+    either way a guard miss, and what was made of the call's saves is turned back
+    into the tensors (no output recomputed with the recorded arguments, no codes beside
+    exact others): that step's gradients are stock's up to the codes before the call, its
+    attention's saves exact, and the next steps record again and replay."""
+    torch.manual_seed(0)
+    stock = _fused()
+    full, ours, a, b = twins("quant.int8", _fused)
+    try:
+        x = torch.randn(2, 16, 32)
+        for _ in range(4):
+            grads(full, x), grads(ours, x)
+        replayer = b.engine.replayer
+        assert replayer.replayed == 2 and replayer.missed == 0
+        for model in (stock, full, ours):
+            first = model[1]
+            if change == "causal":
+                first.causal = False
+            elif change == "scale":
+                first.scale = 0.05
+            elif change == "mask":
+                first.mask = True
+            elif change == "dropout":
+                first.dropout = 0.5
+            elif change == "memory":
+                first.memory = 8
+            else:
+                first.dense_values = True
+        torch.manual_seed(7)
+        exact = grads(stock, x)
+        torch.manual_seed(7)
+        b.tally.reset()
+        got = grads(ours, x)
+        assert replayer.missed == 1
+        for g, e in zip(got, exact, strict=True):
+            cosine = torch.nn.functional.cosine_similarity(g.flatten(), e.flatten(), dim=0)
+            assert cosine > 0.999, float(cosine)
+        attention = b.tally.rows["1"]
+        assert attention.compressed == 0 and attention.derived == 0, attention
+        assert attention.stored_bytes == attention.raw_bytes, attention  # as stock holds them
+        for _ in range(3):  # the codes' seeds part from the full path's at a miss
+            torch.manual_seed(11)
+            exact = grads(stock, x)
+            torch.manual_seed(11)
+            for g, e in zip(grads(ours, x), exact, strict=True):
+                cosine = torch.nn.functional.cosine_similarity(g.flatten(), e.flatten(), dim=0)
+                assert cosine > 0.99, float(cosine)
+        assert replayer.missed == 1 and replayer.replayed == 3
+    finally:
+        a.remove()
+        b.remove()

@@ -223,7 +223,9 @@ def attention_part(x: torch.Tensor, site: Site) -> str:
         return "values" if site.func == "log_softmax" else "map"
     if site.op == SDPA:  # q, k: its map is recomputed from them; v
         position = site.opcall.position(x)
-        if position is None and not site.opcall.args:
+        if position is None and isinstance(site.recalled, int):
+            position = site.recalled  # a replayed save: its place in the recorded call
+        elif position is None and not site.opcall.args:
             # a compiled graph's save (no call to read): its role among the kernel's tensors;
             # the output the kernel saves stands in for the one eager recomputes from q, k, v
             position = _GRAPH_ATTENTION_ROLES.get(site.role)
@@ -329,7 +331,9 @@ class OpAware(BaseCompressor):
         """Replayed from the site less its call (:mod:`torchstash.engine.replay`) unless the
         code reads the call: attention's parts (which operand of which matmul), a pool's
         geometry, a GELU's ``approximate``; or its codec says no."""
-        if site.op in ATTENTION_OPS or site.op == SDPA:
+        if site.op in ATTENTION_OPS:
+            return False
+        if site.op == SDPA and self.recall(x, site) is None:
             return False
         kind = self.variant(x, site)
         if kind == "pool":  # its geometry recalled (:meth:`recall`); its code checks itself
@@ -349,6 +353,8 @@ class OpAware(BaseCompressor):
         """What a replayed save's code reads of the call: a max pool's geometry (its
         positions are checked to give the indices back, so a geometry that no longer fits
         keeps the indices as they are)."""
+        if site.op == SDPA:  # which of q, k, v it is (its code follows: attention_part)
+            return site.opcall.position(x)
         if self.variant(x, site) != "pool":
             return None
         return pool_geometry(site.opcall.args, dict(site.opcall.kwargs))

@@ -496,11 +496,46 @@ class Engine(Scoping, Recomputation):
         self.replayer.miss()
         tls.replaying = None
         tls.missed = True
+        self._unattend(tls)
         cursor = tls.lean
         if cursor is not None and cursor.island is not None:  # a hookless forward's island
             hooks = cursor.island[2]
             cursor.island = None
             self._unlean(tls, hooks)
+
+    def _unattend(self, tls: ThreadState) -> None:
+        """A replayed forward left its trace inside a fused attention call, or ended in
+        one: what was made of its saves before its node was checked (:mod:`.attention`: the
+        codes of its ``q``, ``k``, ``v``, a log-sum-exp recomputed from them) is turned back
+        into the tensors (still alive: the call's arguments and result), as the full path
+        keeps a call it cannot replay, so no call reads codes of some beside exact others."""
+        call = tls.attention
+        unchecked = call.unchecked
+        call.replay = call.node = call.unchecked = None
+        for entry, t, stored, held in unchecked or ():
+            value = entry.value
+            tally = self.tally
+            row = tally.row(entry.site)
+            row.stored_bytes -= stored  # counted as the trace says: not held by its ledger
+            row.held_bytes -= held
+            if isinstance(value, Packed):
+                row.compressed -= 1
+                reason = FUSED_EXACT_REASON
+            elif isinstance(value, Recomputed):
+                row.derived -= 1
+                for source, _ in value.sources:
+                    source.pending -= 1
+                reason = FUSED_OUTPUT_REASON
+            else:
+                continue
+            exact = t.detach()
+            entry.value = exact if exact.shape == value.shape else exact.view(value.shape)
+            entry.compressor, entry.variant = None, ""
+            tally.keep(row, exact, entry)
+            if entry.watch is not None:
+                tally.keep_alias(row, entry.watch)
+            entry.reason = reason
+            row.declined[reason] += 1
 
     def _keep_missed(self, t: torch.Tensor) -> Saved:
         """A save after a guard miss, with no op tracker running: kept as it is, exact, and

@@ -39,6 +39,9 @@ from .entries import RELEASED, Entry, Recomputed, dedupe_key, version_alias
 from .messages import FUSED_EXACT_REASON
 from .tally import Row, Tally
 
+if TYPE_CHECKING:
+    from .replay import Recorder
+
 #: a recipe's operands: each entry (held weakly) and the shape its op saved it in
 Sources = tuple[tuple["weakref.ref[Entry]", torch.Size], ...]
 
@@ -67,6 +70,8 @@ class DeriveState(Protocol):
     whose saves are being collected."""
 
     deriving: Derivation | None
+    #: the forward being recorded, or None
+    recorder: Recorder | None
 
 
 class Recomputation:
@@ -194,9 +199,15 @@ class Recomputation:
                 continue
             exact = coded.source()
             if exact is not None:
+                row = self.tally.row(coded.site)
+                before = (row.stored_bytes, row.held_bytes)
                 self._store_as_is(coded, exact)
                 coded.reason = FUSED_EXACT_REASON
-                self.tally.row(coded.site).declined[FUSED_EXACT_REASON] += 1
+                row.declined[FUSED_EXACT_REASON] += 1
+                recorder = self._tls.recorder
+                if recorder is not None:
+                    stored, held = row.stored_bytes - before[0], row.held_bytes - before[1]
+                    recorder.restate(coded, stored, held)
 
     def _recompute_from(
         self,
@@ -209,6 +220,7 @@ class Recomputation:
         once the call returned): its bytes are given back, and it no longer counts as
         declined."""
         row = self.tally.row(entry.site)
+        before = (row.stored_bytes, row.held_bytes)
         value = entry.value
         if isinstance(value, Packed):
             row.compressed -= 1
@@ -227,6 +239,9 @@ class Recomputation:
         compressor = sources[0][0].compressor
         entry.value = Recomputed(sources, rec, shape)
         entry.compressor = compressor
+        recorder = self._tls.recorder
+        if recorder is not None:
+            recorder.restate(entry, row.stored_bytes - before[0], row.held_bytes - before[1])
         if compressor is not None:
             self._derive(
                 value if isinstance(value, torch.Tensor) else None,

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..derive import Recipe, Replay
+from ..derive import SDPA, Recipe, Replay
 from ..packed import storage_base
 from .entries import RELEASED, Entry, Recomputed
 
@@ -40,9 +40,10 @@ class Positions(Protocol):
 
 
 #: ops of one operand whose recipe reads parameters, the saved statistics and plain values
-#: the op's node keeps (a GELU's ``approximate``); an attention's several operands are not
-#: replayed
-REPLAYED_OPS = frozenset({"batch_norm", "layer_norm", "silu", "hardswish", "gelu"})
+#: the op's node keeps (a GELU's ``approximate``), and a fused attention's output as a later
+#: op saves it (its recipe is the output's layout steps; the output is itself rebuilt by
+#: :mod:`.attention`); a matmul's two operands are not replayed
+REPLAYED_OPS = frozenset({"batch_norm", "layer_norm", "silu", "hardswish", "gelu", SDPA})
 
 #: edges walked from the later save's node to the op's node, at most, beyond the recipe's
 #: carried steps (views and aliases between them carry no step: Hugging Face's GPT-2 feeds its

@@ -48,6 +48,9 @@ class Placed(Protocol):
     turned: bool
     full: bool
 
+    @property
+    def attend(self) -> object | None: ...  # a fused attention's output (:mod:`.attention`)
+
 
 #: a region's key: the module's id and which call of it in the forward
 Key = tuple[int, int]
@@ -100,7 +103,10 @@ def place(moves: Sequence[Placed]) -> dict[Key, Region] | None:
             if i in full:
                 new = [p for p in m.deps if p not in full]
             else:
-                new = [i] if m.turned and any(p in full for p in m.deps) else []
+                # a save turned back into its tensor, or a fused attention's output
+                # rebuilt over saves the full path makes: the full path makes it too
+                reads = m.turned or m.attend is not None
+                new = [i] if reads and any(p in full for p in m.deps) else []
             if new:
                 full.update(new)
                 changed = True

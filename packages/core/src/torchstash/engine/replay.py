@@ -12,9 +12,11 @@ forward exactly as stock PyTorch keeps them, and the next forward records again.
 
 What replays: a parameter, a tensor stored as is (with its reason, ``min_bytes`` say), a
 second save of one of those, and a code whose compressor says it ``replays`` (it reads nothing
-of the op call: memsave's ReLU mask, the sign bits), and an output recomputed from a code
-where :mod:`.rederive` can check its recipe. The saves that read the op's arguments (attention's
-codes and recipes, a GELU's derivative code) are decided again by the full path each step, in
+of the op call: memsave's ReLU mask, the sign bits), an output recomputed from a code
+where :mod:`.rederive` can check its recipe, and a fused attention's output and log-sum-exp,
+recomputed from its ``q``, ``k``, ``v``, where :mod:`.attention` can check its call. The saves
+that read the op's arguments (a written-out attention's codes and recipes, a GELU's
+derivative code, a masked fused attention) are decided again by the full path each step, in
 the module calls around them (:mod:`.regions`); the rest of such a forward replays. A trace
 whose every move keeps a tensor as it is runs with no hook at all once it has replayed whole
 (:mod:`.hookless`). A replayed forward counts in the tally what its recording counted, row by row (exact for the
@@ -34,6 +36,8 @@ import torch
 from ..compressor import Compressor, Encoder, replays_next
 from ..packed import Packed, storage_base
 from ..site import Site
+from . import attention
+from .attention import Attend
 from .entries import Entry, Graph, Recomputed, Saved, dedupe_key
 from .hookless import CHECK_EVERY, Call
 from .params import parameter_copy
@@ -57,13 +61,14 @@ class ReplayState(Protocol):
     entries: dict[int, Entry]
     keys: dict[int, tuple[Any, ...]]
     nodes: dict[int, Any]
+    attention: attention.Call
 
     @property
     def region(self) -> object | None: ...  # the region running down the full path
 
 
-#: what a move does with its save
-PARAM, KEEP, SHARED, CODE, DERIVE = "param", "keep", "shared", "code", "derive"
+#: what a move does with its save (ATTEND: a fused attention's output, :mod:`.attention`)
+PARAM, KEEP, SHARED, CODE, DERIVE, ATTEND = "param", "keep", "shared", "code", "derive", "attend"
 
 #: guard misses in a row after which an engine stops replaying
 MAX_MISSES = 3
@@ -126,6 +131,10 @@ class Move:
     derive: Rederive | None = None
     #: a later DERIVE move reads this one's entry (its operand or a statistic)
     feeds: bool = False
+    #: an ATTEND move's record, and for a CODE move, whether a later ATTEND move reads it
+    #: (a fused attention's ``q``, ``k`` or ``v``: turned back into its tensor on a miss)
+    attend: Attend | None = None
+    attends: bool = False
     #: while recording: the module calls running (outermost first), the positions of the
     #: saves this one shares or is recomputed from, whether its decision read the op call
     #: (it needs a region: :mod:`.regions`) and whether it turned a code back into its
@@ -167,6 +176,7 @@ class Move:
             self.reshape,
             self.copy,
             self.derive.signature() if self.derive is not None else None,
+            self.attend.signature() if self.attend is not None else None,
             self.raw,
             self.stored,
             self.held,
@@ -273,15 +283,50 @@ class Recorder:
 
     def mark_late(self) -> None:
         """A save its op kept as is and then, once the op returned, made a recipe (a fused
-        attention's output, over the ``q``, ``k``, ``v`` it stored): only the full path makes
-        it again, in the region of what it is recomputed from."""
-        for move, entry in zip(self.moves, self.entries, strict=True):
-            if entry is not None and move.kind == KEEP and isinstance(entry.value, Recomputed):
-                deps = self.sources_of(entry.value)
-                if min(deps, default=0) < 0:
-                    self.refuse()
-                    return
-                move.needs_call, move.deps = True, deps
+        attention's output, over the ``q``, ``k``, ``v`` it stored): rebuilt on a replay where
+        :mod:`.attention` can check its call, else made again by the full path only, in the
+        region of what it is recomputed from."""
+        calls: dict[int, list[int]] = {}  # a call's replay -> the positions of its outputs
+        for i, (move, entry) in enumerate(zip(self.moves, self.entries, strict=True)):
+            if entry is None or move.kind != KEEP or not isinstance(entry.value, Recomputed):
+                continue
+            deps = self.sources_of(entry.value)
+            if min(deps, default=0) < 0:
+                self.refuse()
+                return
+            move.deps, move.needs_call = deps, True
+            replay = entry.value.recipe.arguments.get("replay")
+            if replay is not None and not any(self.moves[p].needs_call for p in deps):
+                calls.setdefault(id(replay), []).append(i)
+        for outputs in calls.values():
+            values, saved = [], []
+            for i in outputs:
+                entry = self.entries[i]
+                assert entry is not None and isinstance(entry.value, Recomputed)
+                values.append(entry.value)
+                saved.append(self.nodes.get(i))
+            deps = self.moves[outputs[0]].deps
+            same = all(self.moves[i].deps == deps for i in outputs)
+            recorded = attention.record(values, saved, deps, self.nodes) if same else None
+            if recorded is None:
+                continue  # made again by the full path, in a region
+            for i, node, attend in zip(outputs, saved, recorded, strict=True):
+                move, entry = self.moves[i], self.entries[i]
+                assert entry is not None
+                move.kind, move.attend, move.needs_call = ATTEND, attend, False
+                move.compressor, move.node = entry.compressor, type(node)
+
+    def restate(self, entry: Entry, stored: int, held: int) -> None:
+        """The entry a move stored now holds other bytes (a fused attention's output became
+        a recipe, a code its tensor): the move counts what its row holds now, and no reason
+        it was kept for (a forward that leaves its trace part way counts moves one by one)."""
+        position = self.position(entry)
+        if position < 0:
+            return
+        move = self.moves[position]
+        move.stored += stored
+        move.held += held
+        move.reason = entry.reason
 
     def settle(self) -> bool:
         """Bring each move up to what became of its entry later in the forward (a code a
@@ -296,7 +341,7 @@ class Recorder:
                     move.kind, move.compressor, move.variant = KEEP, None, ""
                     move.derive = None
                 continue
-            if move.kind == DERIVE:
+            if move.kind in (DERIVE, ATTEND):
                 if not isinstance(value, Recomputed) or entry.compressor is not move.compressor:
                     return False
                 continue
@@ -412,6 +457,10 @@ class Replayer:
             elif move.derive is not None:
                 for p in (move.derive.source, *move.derive.stats):
                     rec.moves[p].feeds = True
+            elif move.attend is not None:
+                for p in move.attend.sources:
+                    rec.moves[p].feeds = True
+                    rec.moves[p].attends = rec.moves[p].kind == CODE
         totals = diff(rec.before, tally)
         param_refs = tally.param_refs - rec.param_refs
         signature = (
@@ -542,6 +591,14 @@ class Replayer:
             tls.bases.code(i, t)
             entry = Entry.coded(packed, m.compressor, site, t, m.variant)
             entry.strides = m.dense
+            if m.attends:  # read by a fused attention not checked yet
+                tls.attention.hold(entry, t, m.stored, m.held)
+        elif kind == ATTEND:
+            attended = self._attend(t, m, tls)
+            if attended is None:
+                return None
+            tls.bases.code(i, t)
+            entry = attended
         elif kind == DERIVE:
             rebuilt = self._rederive(t, m, tls)
             if rebuilt is None:
@@ -580,6 +637,26 @@ class Replayer:
             told(t, site, [source.site for source, _ in value.sources])
         entry = Entry.coded(value, compressor, site, t, m.variant)
         entry.strides = m.dense
+        return entry
+
+    def _attend(self, t: torch.Tensor, m: Move, tls: ReplayState) -> Entry | None:
+        """An ATTEND move's entry: ``t`` kept as its recipe over this step's ``q``, ``k``,
+        ``v``, the compressor told (a budget counts it), or None on a guard miss."""
+        a, site = m.attend, m.site
+        assert a is not None and site is not None
+        call = tls.attention
+        value = attention.rebuild(a, t, tls.entries, tls.nodes, call)
+        if value is None:
+            return None
+        compressor = m.compressor
+        told = getattr(compressor, "derived", None)
+        if told is not None:
+            told(t, site, [source.site for source, _ in value.sources])
+        entry = Entry.coded(value, compressor, site, t, "")
+        if a.last:  # the call was checked: what it reads stays as made
+            call.replay = call.node = call.unchecked = None
+        elif call.node is None:  # made before the call's node was checked
+            call.hold(entry, t, m.stored, m.held)
         return entry
 
     def finish_replay(self, tls: ReplayState) -> bool:
@@ -626,7 +703,7 @@ class Replayer:
             row.held_bytes += m.held
             if m.kind == CODE:
                 row.compressed += 1
-            elif m.kind == DERIVE:
+            elif m.kind in (DERIVE, ATTEND):
                 row.derived += 1
             if m.reason:
                 row.declined[m.reason] += 1
@@ -683,6 +760,7 @@ def is_state(t: torch.Tensor, state: Callable[[], set[int]]) -> bool:
 
 
 __all__ = [
+    "ATTEND",
     "CODE",
     "DERIVE",
     "KEEP",

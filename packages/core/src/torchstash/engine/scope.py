@@ -23,6 +23,7 @@ from ..optrack import STATE as OP_STATE
 from ..optrack import OpTracker, role_of, wait_for, watching
 from ..packed import storage_base
 from ..site import NO_CALL, OpCall, Site
+from . import attention
 from .entries import Entry, Graph
 from .hookless import Cursor, Hookless, first_shape, no_hooks_on, root_key
 from .regions import Region
@@ -165,6 +166,8 @@ class ThreadState(threading.local):
         self.graphed = 0
         #: where a hookless forward is in its trace (:mod:`.hookless`), or None
         self.lean: Cursor | None = None
+        #: the fused attention call a replayed forward is in (:mod:`.attention`)
+        self.attention = attention.Call()
 
 
 class Scoping:
@@ -189,6 +192,7 @@ class Scoping:
     if TYPE_CHECKING:
 
         def _replay_code(self, t: torch.Tensor, move: Any) -> Any: ...
+        def _unattend(self, tls: ThreadState) -> None: ...
         def pack(self, t: torch.Tensor) -> Saved: ...
         def unpack(self, saved: Saved) -> torch.Tensor: ...
         def _carry_recipe(
@@ -239,6 +243,7 @@ class Scoping:
                 tls.entries = {}
                 tls.keys = {}
                 tls.nodes = {}
+                tls.attention = attention.Call()
             # a model's parameters and buffers: read now for the full path, when first
             # needed for a replayed one; a stash block's modules add theirs as they run
             if self._skip_ptrs is None:
@@ -393,6 +398,7 @@ class Scoping:
                 self.replayer.miss()
         elif tls.replaying is not None:
             self.replayer.finish_replay(tls)
+            self._unattend(tls)  # a fused attention's codes no checked call read
             tls.replaying = None
             tls.entries = {}
             tls.keys = {}
