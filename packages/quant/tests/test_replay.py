@@ -661,3 +661,65 @@ def test_a_fused_attention_called_otherwise_misses_and_stays_exact(change: str) 
     finally:
         a.remove()
         b.remove()
+
+
+def _gelu_then_norm() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 32), nn.GELU(),
+        nn.LayerNorm(32), nn.Linear(32, 4),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", ["quant.int8", "quant.int2", "quant.auto"])
+def test_a_recomputed_save_read_by_another_recipe_replays(strategy: str, tracked: Tracked) -> None:
+    """A LayerNorm after a GELU saves the GELU's output, itself recomputed from the GELU's
+    coded input; the LayerNorm's output (the next Linear's input) is recomputed from that.
+    Its recipe's operand is a recomputed save, whose node the recording now keeps: the
+    forward replays (before, neither recipe could be checked, the region was the whole
+    forward, and nothing replayed), the full path's gradients and tally bit for bit."""
+    full, ours, a, b = twins(strategy, _gelu_then_norm)
+    try:
+        x = torch.randn(8, 16)
+        if strategy == "quant.auto":  # measures on the full path now and then
+            for _ in range(6):
+                a.tally.reset()
+                b.tally.reset()
+                torch.testing.assert_close(grads(ours, x), grads(full, x), rtol=0, atol=0)
+                assert tally_rows(b.tally) == tally_rows(a.tally)
+            assert b.engine.replayer.replayed > 0
+        else:
+            as_the_full_path(full, ours, a, b, x, tracked, steps=5)
+        trace = b.engine.replayer.trace
+        assert trace is not None and not trace.regions
+        derived = [m for m in trace.moves if m.derive is not None]
+        chained = [m for m in derived if trace.moves[m.derive.source].kind == "derive"]
+        assert chained, [(m.op, m.derive.source) for m in derived]
+    finally:
+        a.remove()
+        b.remove()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("strategy", ["quant.int8", "quant.auto"])
+def test_a_fused_attention_replays_on_cuda(strategy: str, tracked: Tracked) -> None:
+    """The same on a GPU, under bfloat16 autocast (FlashAttention's kernel, whose output and
+    log-sum-exp are replayed by ``torchstash.derive.FUSED_ATTENTION``): the steps replay with
+    no region and no op tracker, nothing misses, and the gradients are the full path's up to
+    the kernel's own nondeterminism (its backward adds in any order)."""
+    full, ours, a, b = twins(strategy, lambda: _fused().cuda())
+    try:
+        x = torch.randn(2, 16, 32, device="cuda")
+        for step in range(6):
+            with torch.autocast("cuda", torch.bfloat16):
+                want = grads(full, x)
+                calls = tracked.during(lambda: grads(ours, x))
+            for g, w in zip(grads_of(ours), want, strict=True):
+                torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-3)
+            assert strategy == "quant.auto" or (calls == 0) == (step >= 2), (step, calls)
+        trace = b.engine.replayer.trace
+        assert trace is not None and not trace.regions
+        assert sum(m.kind == "attend" for m in trace.moves) == 4
+        assert b.engine.replayer.missed == 0
+    finally:
+        a.remove()
+        b.remove()

@@ -236,8 +236,7 @@ class Engine(Scoping, Recomputation):
             else:
                 kind = CODE if isinstance(value, Packed) else KEEP
             move = self._move(kind, t, rec, entry.site, row, entry.reason)
-            if kind != DERIVE:
-                rec.nodes[len(rec.moves)] = t.grad_fn
+            rec.nodes[len(rec.moves)] = t.grad_fn  # a later recipe's operand: its node
             # a code holds no tensor, and a tensor kept now may become a recipe when its op
             # returns (a fused attention's output): its storage may go
             rec.firsts.code(len(rec.moves), t)

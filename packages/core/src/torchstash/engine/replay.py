@@ -231,8 +231,8 @@ class Recorder:
     #: target)
     entries: list[Entry | None] = field(default_factory=list)
     positions: dict[int, int] = field(default_factory=dict)
-    #: the autograd node of each CODE and KEEP move's tensor (a DERIVE move's path ends at
-    #: its operand's)
+    #: the autograd node of each move's tensor (a recomputed save's recipe may read one
+    #: recomputed itself: a LayerNorm's output from a GELU's, which the LayerNorm saves)
     nodes: dict[int, Any] = field(default_factory=dict)
     #: the module calls of the forward, in order, and its root call's key
     #: (:mod:`.hookless`)
