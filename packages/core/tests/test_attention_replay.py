@@ -5,7 +5,6 @@ miss that leaves nothing of it coded."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 
 import pytest
@@ -14,6 +13,7 @@ from torch import nn
 
 import torchstash
 from torchstash.testing.replay import Tracked, tally_rows
+from torchstash.testing.replay import twins as replay_twins
 from torchstash.testing.steps import grads
 from torchstash.testing.toys import DerivableHalf
 
@@ -58,13 +58,7 @@ def strategy() -> Iterator[str]:
 
 
 def twins(strategy: str) -> tuple[nn.Module, nn.Module, torchstash.Handle, torchstash.Handle]:
-    torch.manual_seed(0)
-    full = build()
-    ours = copy.deepcopy(full)
-    a = torchstash.apply(full, strategy, min_bytes=0)
-    b = torchstash.apply(ours, strategy, min_bytes=0)
-    a.engine.replayer.enabled = False
-    return full, ours, a, b
+    return replay_twins(strategy, build, min_bytes=0)
 
 
 def test_a_fused_attention_replays_as_the_full_path(

@@ -4,7 +4,6 @@ replays, and each replayed step has the full path's gradients, tally and sites."
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +14,7 @@ import torchstash
 from torchstash.optrack import STATE
 from torchstash.site import Site
 from torchstash.testing.replay import Tracked, tally_rows
+from torchstash.testing.replay import twins as replay_twins
 from torchstash.testing.toys import HalfCompressor
 
 
@@ -90,13 +90,7 @@ def twins(
     strategy: str, build: type[nn.Module] = Net
 ) -> tuple[nn.Module, nn.Module, torchstash.Handle, torchstash.Handle]:
     """The full path on every step (``full``) and a model that replays (``ours``)."""
-    torch.manual_seed(0)
-    full = build()
-    ours = copy.deepcopy(full)
-    a = torchstash.apply(full, strategy, min_bytes=0)
-    b = torchstash.apply(ours, strategy, min_bytes=0)
-    a.engine.replayer.enabled = False
-    return full, ours, a, b
+    return replay_twins(strategy, build, min_bytes=0)
 
 
 def step_both(

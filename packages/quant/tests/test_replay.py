@@ -16,6 +16,7 @@ import torchstash as ts
 from torchstash.engine import Engine
 from torchstash.engine.replay import Replayer
 from torchstash.testing.replay import Tracked, tally_rows
+from torchstash.testing.replay import twins as replay_twins
 from torchstash.testing.steps import Switched, assert_same_grads, grads
 from torchstash_quant.opaware import OpAware
 from torchstash_quant.strategies import auto
@@ -45,17 +46,7 @@ def tracked(monkeypatch: pytest.MonkeyPatch) -> Tracked:
 
 
 def twins(strategy: str, build: Callable[[], nn.Module] = cnn, **options: object):  # type: ignore[no-untyped-def]
-    """Two copies of one model under ``strategy`` with the same seeds: the first never
-    replays (the full path on every step), the second does."""
-    torch.manual_seed(0)
-    full = build()
-    ours = copy.deepcopy(full)
-    torch.manual_seed(1)
-    a = ts.apply(full, strategy, **options)
-    torch.manual_seed(1)
-    b = ts.apply(ours, strategy, **options)
-    a.engine.replayer.enabled = False
-    return full, ours, a, b
+    return replay_twins(strategy, build, **options)
 
 
 @pytest.mark.parametrize("strategy", REPLAYING)

@@ -593,14 +593,8 @@ class Replayer:
             entry.strides = m.dense
             if m.attends:  # read by a fused attention not checked yet
                 tls.attention.hold(entry, t, m.stored, m.held)
-        elif kind == ATTEND:
-            attended = self._attend(t, m, tls)
-            if attended is None:
-                return None
-            tls.bases.code(i, t)
-            entry = attended
-        elif kind == DERIVE:
-            rebuilt = self._rederive(t, m, tls)
+        elif kind in (DERIVE, ATTEND):
+            rebuilt = self._rederive(t, m, tls) if kind == DERIVE else self._attend(t, m, tls)
             if rebuilt is None:
                 return None
             tls.bases.code(i, t)

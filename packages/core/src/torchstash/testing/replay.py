@@ -1,16 +1,38 @@
 """Helpers for tests of the engine's replay (:mod:`torchstash.engine.replay`), shared by the
-core's and the plug-ins' suites: what a step ran through the op tracker, and a tally's rows as
-plain values to compare a replayed step with a recorded one."""
+core's and the plug-ins' suites: two copies of a model, one held to the full path; what a step
+ran through the op tracker; and a tally's rows as plain values to compare a replayed step with
+a recorded one."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
+from ..api import Handle, apply
 from ..engine.tally import Tally
 from ..optrack import OpTracker
+
+
+def twins(
+    strategy: str, build: Callable[[], nn.Module], **options: Any
+) -> tuple[nn.Module, nn.Module, Handle, Handle]:
+    """Two copies of one model under ``strategy`` (with ``options``), built and applied
+    under the same seeds (a code's stochastic rounding draws alike): the first never replays
+    (the full path on every step), the second does."""
+    torch.manual_seed(0)
+    full = build()
+    ours = copy.deepcopy(full)
+    torch.manual_seed(1)
+    a = apply(full, strategy, **options)
+    torch.manual_seed(1)
+    b = apply(ours, strategy, **options)
+    a.engine.replayer.enabled = False
+    return full, ours, a, b
 
 
 class Tracked:
