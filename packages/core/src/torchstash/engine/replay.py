@@ -625,11 +625,7 @@ class Replayer:
         value = rebuild(d, t, tls.entries, tls.nodes, self.state)
         if value is None:
             return None
-        compressor = m.compressor
-        told = getattr(compressor, "derived", None)
-        if told is not None:
-            told(t, site, [source.site for source, _ in value.sources])
-        entry = Entry.coded(value, compressor, site, t, m.variant)
+        entry = _recomputed(value, m.compressor, site, t, m.variant)
         entry.strides = m.dense
         return entry
 
@@ -642,11 +638,7 @@ class Replayer:
         value = attention.rebuild(a, t, tls.entries, tls.nodes, call)
         if value is None:
             return None
-        compressor = m.compressor
-        told = getattr(compressor, "derived", None)
-        if told is not None:
-            told(t, site, [source.site for source, _ in value.sources])
-        entry = Entry.coded(value, compressor, site, t, "")
+        entry = _recomputed(value, m.compressor, site, t, "")
         if a.last:  # the call was checked: what it reads stays as made
             call.replay = call.node = call.unchecked = None
         elif call.node is None:  # made before the call's node was checked
@@ -701,6 +693,17 @@ class Replayer:
                 row.derived += 1
             if m.reason:
                 row.declined[m.reason] += 1
+
+
+def _recomputed(
+    value: Recomputed, compressor: Compressor | None, site: Site, t: torch.Tensor, variant: str
+) -> Entry:
+    """A replayed save's entry kept as ``value``, a recipe over this step's entries, its
+    compressor told (``derived``: a budget counts it) as the full path tells it."""
+    told = getattr(compressor, "derived", None)
+    if told is not None:
+        told(t, site, [source.site for source, _ in value.sources])
+    return Entry.coded(value, compressor, site, t, variant)
 
 
 def hooked_calls(rec: Recorder) -> dict[int, tuple[int, int, int]] | None:
